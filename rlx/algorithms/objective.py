@@ -1,0 +1,48 @@
+"""The full policy objective: policy loss + KL to a reference - entropy bonus, aggregated."""
+
+from __future__ import annotations
+
+import torch
+
+from rlx.algorithms.aggregate import aggregate
+from rlx.algorithms.kl import kl_estimate
+from rlx.algorithms.losses import POLICY_LOSSES
+from rlx.config import AlgorithmConfig
+
+
+def policy_objective(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    fields: dict[str, torch.Tensor],
+    config: AlgorithmConfig,
+    global_tokens: float,
+    global_sequences: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`fields` holds [B, R] `old_logprobs`, `advantages` and, when KL is on, `ref_logprobs`.
+
+    Metrics are shares of the global mean (token-weighted), so they sum over micro-batches.
+    """
+    loss_fn = POLICY_LOSSES.get(config.policy_loss)
+    per_token, clipped = loss_fn(
+        logprobs, fields["old_logprobs"], fields["advantages"], clip_low=config.clip_low, clip_high=config.clip_high
+    )
+    policy_loss = aggregate(per_token, mask, config.aggregation, global_tokens, global_sequences)
+    loss = policy_loss
+    metrics = {"policy_loss": float(policy_loss)}
+    if config.kl_coef > 0:
+        kl = aggregate(kl_estimate(logprobs, fields["ref_logprobs"], config.kl_type), mask, config.aggregation,
+                       global_tokens, global_sequences)
+        loss = loss + config.kl_coef * kl
+        metrics["kl"] = float(kl)
+    entropy_mean = aggregate(entropy, mask, config.aggregation, global_tokens, global_sequences)
+    if config.entropy_coef > 0:
+        loss = loss - config.entropy_coef * entropy_mean
+    token_share = lambda values: float((values * mask).sum()) / max(global_tokens, 1.0)  # noqa: E731
+    metrics.update(
+        entropy=float(entropy_mean),
+        clip_fraction=token_share(clipped),
+        ratio_mean=token_share(torch.exp(logprobs - fields["old_logprobs"]).detach()),
+        loss=float(loss),
+    )
+    return loss, metrics

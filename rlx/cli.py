@@ -1,0 +1,110 @@
+"""The `rlx` command line: train, doctor, models, export, plot."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from rlx.config import ConfigError, load_config
+from rlx.errors import UserError
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rlx.orchestration.colocate import run_colocate
+
+    config = load_config(args.config, args.overrides)
+    run_dir = run_colocate(config, resume=args.resume, overwrite=args.overwrite)
+    print(f"done: {run_dir} (metrics.jsonl, training.png, checkpoints/)")
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    print(config.to_yaml(), end="")
+    print("# config OK", file=sys.stderr)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from rlx.models import list_models
+
+    for row in list_models():
+        print(f"{row['name']:<24} {row['status']:<10} {row['description']}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import shutil
+
+    from rlx.orchestration.run_dir import latest_checkpoint
+
+    source = Path(args.checkpoint)
+    if not (source / "config.json").exists():
+        source = latest_checkpoint(source) or source
+    if not (source / "model.safetensors").exists():
+        raise ConfigError(f"{args.checkpoint} is neither a checkpoint folder nor a run directory with checkpoints")
+    out = Path(args.out)
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("optimizer.pt", "trainer_state.json"),
+                    dirs_exist_ok=True)
+    print(f"exported {source} -> {out}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from rlx.obs import plot_run
+
+    print(plot_run(Path(args.run_dir)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlx", description="Asynchronous RL post-training for language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run training from a YAML config plus key=value overrides")
+    train.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-6 rollout.n=8")
+    train.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    train.set_defaults(func=_train)
+
+    doctor = sub.add_parser("doctor", help="validate a config and print it resolved")
+    doctor.add_argument("config", nargs="?")
+    doctor.add_argument("overrides", nargs="*")
+    doctor.set_defaults(func=_doctor)
+
+    models = sub.add_parser("models", help="models available offline")
+    models.add_argument("action", choices=["list"])
+    models.set_defaults(func=_models)
+
+    export = sub.add_parser("export", help="export a checkpoint (or a run's latest) as a Hugging Face folder")
+    export.add_argument("checkpoint")
+    export.add_argument("out")
+    export.set_defaults(func=_export)
+
+    plot = sub.add_parser("plot", help="plot reward and eval accuracy of a run to PNG")
+    plot.add_argument("run_dir")
+    plot.set_defaults(func=_plot)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-file load/save bars drown the training log
+    # `rlx train a=b` (no YAML): argparse puts the first override in `config`
+    if getattr(args, "config", None) and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        args.overrides, args.config = [args.config, *args.overrides], None
+    try:
+        return args.func(args)
+    except (UserError, FileNotFoundError) as exc:
+        print(f"rlx: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The typed run config: one `RunConfig` describes a whole run.
+
+Loaded from YAML plus dotted command-line overrides (`train.lr=1e-6`). Every section forbids
+unknown keys, so a typo is an error that names the key and the keys allowed beside it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlx.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A config problem, phrased so the user can fix it without reading our code."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = Field("smollm2-135m-instruct", description="a built-in model name (`rlx models list`) or a HF folder")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class DataConfig(Section):
+    source: Literal["reasoning_gym", "jsonl", "parquet"] = "reasoning_gym"
+    task: str = Field("chain_sum", description="reasoning-gym task name when source=reasoning_gym")
+    task_params: dict[str, Any] = Field(default_factory=dict)
+    train_size: int = Field(5000, gt=0)
+    eval_size: int = Field(128, ge=0)
+    path: str | None = Field(None, description="train file for jsonl/parquet")
+    eval_path: str | None = Field(None, description="held-out file for jsonl/parquet")
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    metadata_key: str = "metadata"
+    system_prompt: str | None = None
+    apply_chat_template: bool = True
+    max_prompt_tokens: int = Field(512, gt=0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _file_sources_need_a_path(self) -> DataConfig:
+        if self.source in ("jsonl", "parquet") and not self.path:
+            raise ValueError(f"data.path is required when data.source={self.source!r}; set data.path=<file>")
+        return self
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf"] = "hf"
+    n: int = Field(8, ge=1, description="responses per prompt (the group size)")
+    prompts_per_step: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    max_new_tokens: int = Field(64, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    max_batch_size: int = Field(64, ge=1, description="sequences decoded together")
+
+
+class RewardConfig(Section):
+    name: str = Field("reasoning_gym", description="built-in reward or `module:function`")
+    extract: Literal["last_number", "answer_tag", "boxed", "none"] = "last_number"
+    format_weight: float = Field(0.0, ge=0.0, le=1.0, description="reward share for an extractable answer")
+
+
+class AlgorithmConfig(Section):
+    advantage: str = "grpo"
+    policy_loss: str = "clipped"
+    norm_std: bool = True
+    clip_low: float = Field(0.2, ge=0.0, le=1.0)
+    clip_high: float = Field(0.28, ge=0.0, le=10.0)
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0.0)
+    aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    filter_zero_std_groups: bool = Field(True, description="skip groups whose rewards are all equal")
+
+
+class TrainConfig(Section):
+    steps: int = Field(40, ge=1)
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(1.0, gt=0.0)
+    micro_batch_size: int = Field(16, ge=1)
+    autocast_bf16: bool = Field(False, description="bf16 autocast for the training forward/backward")
+    eval_every: int = Field(10, ge=0, description="0 evaluates only before and after training")
+    checkpoint_every: int = Field(0, ge=0, description="0 saves only the final checkpoint")
+    time_budget_s: float | None = Field(None, gt=0, description="stop after this much wall time")
+    seed: int = 0
+
+
+class ResourcesConfig(Section):
+    device: Literal["cpu", "cuda"] = "cpu"
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: all cores")
+
+
+class LoggingConfig(Section):
+    name: str = "run"
+    run_dir: str | None = Field(None, description="default runs/<name>")
+    progress_bar: bool = True
+    tensorboard: bool = False
+
+
+class RunConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.run_dir or Path("runs") / self.logging.name)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set `a.b.c=value` pairs into a nested dict; values are parsed as YAML scalars/lists."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. train.lr=1e-6)")
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[leaf] = yaml.safe_load(text) if text else ""
+    return raw
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    key = ".".join(str(p) for p in loc) or "<root>"
+    if error["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc)
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f" Did you mean {'.'.join(map(str, loc[:-1] + (close[0],)))!r}?" if close else ""
+        return f"unknown key {key!r}.{hint} Allowed here: {', '.join(allowed)}"
+    return f"{key} = {error.get('input')!r}: {error['msg']}"
+
+
+def build_config(raw: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        lines = [_describe(e) for e in exc.errors()]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
+    return build_config(apply_overrides(raw, list(overrides)))

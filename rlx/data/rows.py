@@ -1,0 +1,47 @@
+"""A prompt row: what every data source produces, whatever its file format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlx.errors import UserError
+
+Messages = list[dict[str, str]]
+
+
+class DataError(UserError, ValueError):
+    """Bad input data; the message names the file, the line and the fix."""
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    prompt: str | Messages
+    label: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def validate_row(raw: Any, where: str, prompt_key: str, label_key: str, metadata_key: str) -> PromptRow:
+    """Turn one parsed record into a PromptRow or raise a DataError naming `where` (file:line)."""
+    if not isinstance(raw, dict):
+        raise DataError(f"{where}: expected an object with {prompt_key!r} and {label_key!r}, got {type(raw).__name__}")
+    if prompt_key not in raw:
+        raise DataError(f"{where}: missing field {prompt_key!r} (set data.prompt_key if it has another name)")
+    if label_key not in raw:
+        raise DataError(f"{where}: missing field {label_key!r} (set data.label_key if it has another name)")
+    prompt = raw[prompt_key]
+    if isinstance(prompt, list):
+        bad = [m for m in prompt if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                                         and isinstance(m.get("content"), str))]
+        if bad or not prompt:
+            raise DataError(f"{where}: {prompt_key!r} must be text or a non-empty list of "
+                            f"{{'role': str, 'content': str}} messages; bad entry: {bad[:1] or prompt!r}")
+    elif not isinstance(prompt, str) or not prompt.strip():
+        raise DataError(f"{where}: {prompt_key!r} must be non-empty text or chat messages, got {prompt!r}")
+    label = raw[label_key]
+    if label is None or isinstance(label, (dict, list)):
+        raise DataError(f"{where}: {label_key!r} must be a scalar (text or number), got {label!r}")
+    metadata = raw.get(metadata_key) or {}
+    if not isinstance(metadata, dict):
+        raise DataError(f"{where}: {metadata_key!r} must be an object, got {type(metadata).__name__}")
+    return PromptRow(prompt=prompt, label=str(label), metadata=dict(metadata))

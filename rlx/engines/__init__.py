@@ -1,0 +1,1 @@
+"""Engines: generation (sampling with log-probs) and training (policy model + optimizer)."""

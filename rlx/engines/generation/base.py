@@ -1,0 +1,49 @@
+"""The generation-engine interface every backend (hf, vllm, sglang) implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """`temperature=0` means greedy. Log-probs are always those of the temperature-scaled,
+    unfiltered distribution: the same quantity the training engine computes."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    request_id: int
+    prompt_ids: list[int]
+
+
+@dataclass
+class GenerationResult:
+    request_id: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (stop token or string) or "length"
+    weight_version: int
+    extra: dict = field(default_factory=dict)
+
+
+class GenerationEngine(Protocol):
+    weight_version: int
+
+    def stream(self, requests: list[GenerationRequest], params: SamplingParams) -> Iterator[GenerationResult]:
+        """Yield each result as soon as its sequence finishes."""
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Replace the weights in place and record their version."""

@@ -1,0 +1,90 @@
+"""Token batches laid out so every response starts in the same column.
+
+Prompts are left-padded to width P and responses right-padded to width R. The logits that predict
+the response tokens are then the columns P-1 .. P+R-2 for every row, so the model only projects the
+last R+1 hidden states onto the vocabulary (`logits_to_keep`), never the prompt's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # [B, P+R]
+    attention_mask: torch.Tensor  # [B, P+R]
+    response_ids: torch.Tensor  # [B, R]
+    response_mask: torch.Tensor  # [B, R] float: 1 where the token is trained on
+    per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, R] fields (advantages, old logprobs...)
+    per_sequence: dict[str, torch.Tensor] = field(default_factory=dict)  # [B] fields
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_width(self) -> int:
+        return self.response_ids.shape[1]
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def select(self, rows: torch.Tensor | slice) -> TokenBatch:
+        """A sub-batch, trimmed of columns that are padding in every selected row."""
+        attention = self.attention_mask[rows]
+        prompt_width = self.input_ids.shape[1] - self.response_width
+        attended = attention.sum(0).nonzero().squeeze(-1)
+        first, last = int(attended.min()), max(int(attended.max()), prompt_width)  # keep >= 1 response column
+        used_response = last - prompt_width + 1
+        cols = slice(first, last + 1)
+        return TokenBatch(
+            input_ids=self.input_ids[rows][:, cols],
+            attention_mask=attention[:, cols],
+            response_ids=self.response_ids[rows][:, :used_response],
+            response_mask=self.response_mask[rows][:, :used_response],
+            per_token={k: v[rows][:, :used_response] for k, v in self.per_token.items()},
+            per_sequence={k: v[rows] for k, v in self.per_sequence.items()},
+        )
+
+    def micro_batches(self, size: int) -> list[TokenBatch]:
+        return [self.select(slice(i, i + size)) for i in range(0, self.size, size)]
+
+
+def collate(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    pad_token_id: int,
+    loss_masks: list[list[float]] | None = None,
+    per_token: dict[str, list[list[float]]] | None = None,
+    per_sequence: dict[str, list[float]] | None = None,
+) -> TokenBatch:
+    batch, prompt_width = len(prompts), max(len(p) for p in prompts)
+    width = max(1, max(len(r) for r in responses))
+    input_ids = torch.full((batch, prompt_width + width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    response_mask = torch.zeros((batch, width), dtype=torch.float32)
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        input_ids[row, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[row, prompt_width : prompt_width + len(response)] = torch.tensor(response, dtype=torch.long)
+        attention[row, prompt_width - len(prompt) : prompt_width + len(response)] = 1
+        mask = loss_masks[row] if loss_masks is not None else [1.0] * len(response)
+        response_mask[row, : len(response)] = torch.tensor(mask, dtype=torch.float32)
+
+    def pad_rows(rows: list[list[float]]) -> torch.Tensor:
+        out = torch.zeros((batch, width), dtype=torch.float32)
+        for row, values in enumerate(rows):
+            out[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        return out
+
+    return TokenBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        response_ids=input_ids[:, prompt_width:].clone(),
+        response_mask=response_mask,
+        per_token={k: pad_rows(v) for k, v in (per_token or {}).items()},
+        per_sequence={k: torch.tensor(v, dtype=torch.float32) for k, v in (per_sequence or {}).items()},
+    )

@@ -1,0 +1,114 @@
+"""The training engine: a policy model, its optimizer, micro-batched updates and checkpoints.
+
+It knows nothing about RL. The caller hands it a loss function that is already normalised by
+*global* counts (tokens or sequences in the whole step), so summing micro-batch losses gives the
+same gradient whatever the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlx.config import TrainConfig
+from rlx.engines.training.batch import TokenBatch
+from rlx.engines.training.forward import token_logprobs
+from rlx.engines.training.schedule import lr_multiplier
+
+LossFn = Callable[[TokenBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TrainingEngine:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: TrainConfig, temperature: float
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.temperature = temperature
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_multiplier(step, config.warmup_steps, config.steps, config.lr_schedule),
+        )
+        self.step = 0
+
+    @torch.no_grad()
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        self.model.eval()
+        parts = [
+            token_logprobs(self.model, mb, self.temperature, bf16=self.config.autocast_bf16)[0].cpu()
+            for mb in batch.micro_batches(self.config.micro_batch_size)
+        ]
+        width = batch.response_width
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    def train_step(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over `batch`, accumulated over micro-batches."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for mb in batch.micro_batches(self.config.micro_batch_size):
+            logprobs, entropy = token_logprobs(
+                self.model, mb, self.temperature, with_entropy=True, bf16=self.config.autocast_bf16
+            )
+            loss, metrics = loss_fn(mb, logprobs, entropy)
+            loss.backward()
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        totals["lr"] = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        totals["grad_norm"] = float(grad_norm)
+        return totals
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The current weights, detached, for publishing to generation engines."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def save_checkpoint(self, directory: Path, extra_state: dict) -> Path:
+        """Write model (as a HF folder), optimizer and state; atomic via a staging folder."""
+        staging = directory.with_name(directory.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            self.export(staging)
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       staging / "optimizer.pt")
+            (staging / "trainer_state.json").write_text(json.dumps({"step": self.step, **extra_state}, indent=2))
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise OSError(f"could not write checkpoint {directory}: {exc} (free disk space or set logging.run_dir)") from exc
+        shutil.rmtree(directory, ignore_errors=True)
+        staging.rename(directory)
+        return directory
+
+    def load_checkpoint(self, directory: Path) -> dict:
+        from safetensors.torch import load_file
+
+        state = load_file(directory / "model.safetensors")
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = {k for k in missing if k == "lm_head.weight" and self.model.config.tie_word_embeddings}
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"checkpoint {directory} does not match the model: missing={missing} unexpected={unexpected}")
+        optim = torch.load(directory / "optimizer.pt", weights_only=False)
+        self.optimizer.load_state_dict(optim["optimizer"])
+        self.scheduler.load_state_dict(optim["scheduler"])
+        state = json.loads((directory / "trainer_state.json").read_text())
+        self.step = state.pop("step")
+        return state
+
+    def export(self, directory: Path) -> Path:
+        """A Hugging Face folder: loadable with `AutoModelForCausalLM.from_pretrained`."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+        return directory

@@ -1,0 +1,46 @@
+"""Per-token log-probs (and entropy) of response tokens, under the sampling temperature."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import PreTrainedModel
+
+from rlx.engines.training.batch import TokenBatch
+
+
+def autocast_context(model: PreTrainedModel, bf16: bool):
+    device_type = next(model.parameters()).device.type
+    return torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    batch: TokenBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    bf16: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return ([B, R] log-probs of `batch.response_ids`, [B, R] entropies or None).
+
+    Greedy sampling (temperature 0) is scored at temperature 1, as the generation engine does.
+    """
+    device = next(model.parameters()).device
+    width = batch.response_width
+    with autocast_context(model, bf16):
+        logits = model(
+            input_ids=batch.input_ids.to(device),
+            attention_mask=batch.attention_mask.to(device),
+            position_ids=batch.position_ids.to(device),
+            logits_to_keep=width + 1,
+            use_cache=False,
+        ).logits[:, :-1]
+    logits = logits.float() / (temperature if temperature > 0 else 1.0)
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    targets = batch.response_ids.to(device).unsqueeze(-1)
+    logprobs = logprobs_all.gather(-1, targets).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
+    return logprobs, entropy

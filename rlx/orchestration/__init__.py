@@ -1,0 +1,1 @@
+"""Orchestration: builds the roles a config needs and drives a run."""

@@ -1,0 +1,59 @@
+"""Built-in rule rewards. Every reward maps (completion, label, metadata) -> score in [0, 1]."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from rlx.registry import Registry
+from rlx.rewards.extract import extract_answer
+
+RewardFn = Callable[[str, str, dict[str, Any]], float]
+# Factories: extraction mode -> reward function.
+REWARDS: Registry[Callable[[str], RewardFn]] = Registry("reward")
+
+
+@functools.lru_cache(maxsize=None)
+def _gym_scorer(task: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+@REWARDS.register("reasoning_gym")
+def reasoning_gym_reward(extract: str) -> RewardFn:
+    """The task's own reasoning-gym scorer, applied to the extracted answer."""
+
+    def score(completion: str, label: str, metadata: dict[str, Any]) -> float:
+        task = metadata.get("source_dataset")
+        if not task:
+            raise KeyError("reasoning_gym reward needs metadata.source_dataset (the reasoning-gym task name)")
+        entry = {"answer": label, "metadata": metadata, "question": metadata.get("question", "")}
+        return float(_gym_scorer(task)(extract_answer(completion, extract), entry))
+
+    return score
+
+
+@REWARDS.register("exact_match")
+def exact_match_reward(extract: str) -> RewardFn:
+    def score(completion: str, label: str, metadata: dict[str, Any]) -> float:
+        answer = extract_answer(completion, extract)
+        return float(answer is not None and answer.strip() == str(label).strip())
+
+    return score
+
+
+@REWARDS.register("math_verify")
+def math_verify_reward(extract: str) -> RewardFn:
+    """Mathematical equivalence via `math-verify` (LaTeX and plain expressions)."""
+    from math_verify import parse, verify
+
+    def score(completion: str, label: str, metadata: dict[str, Any]) -> float:
+        answer = extract_answer(completion, extract)
+        if answer is None:
+            return 0.0
+        gold = parse(f"${label}$") or parse(str(label))
+        guess = parse(f"${answer}$") or parse(answer)
+        return float(bool(gold) and bool(guess) and verify(gold, guess))
+
+    return score

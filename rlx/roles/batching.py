@@ -1,0 +1,17 @@
+"""Samples -> a TokenBatch for the training engine."""
+
+from __future__ import annotations
+
+from rlx.data.sample import Sample
+from rlx.engines.training.batch import TokenBatch, collate
+
+
+def samples_to_batch(samples: list[Sample], pad_token_id: int, per_token: dict[str, list[list[float]]] | None = None,
+                     ) -> TokenBatch:
+    return collate(
+        prompts=[s.prompt_ids for s in samples],
+        responses=[s.response_ids for s in samples],
+        pad_token_id=pad_token_id,
+        loss_masks=[s.loss_mask if s.loss_mask is not None else [1.0] * len(s.response_ids) for s in samples],
+        per_token=per_token,
+    )

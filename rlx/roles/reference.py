@@ -1,0 +1,26 @@
+"""Reference: log-probs of a frozen reference policy, for the KL term."""
+
+from __future__ import annotations
+
+import torch
+
+from rlx.data.sample import Sample
+from rlx.engines.training.forward import token_logprobs
+from rlx.roles.batching import samples_to_batch
+
+
+class Reference:
+    def __init__(self, model, pad_token_id: int, temperature: float, micro_batch_size: int) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.pad_token_id = pad_token_id
+        self.temperature = temperature
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        out = []
+        for start in range(0, len(samples), self.micro_batch_size):
+            chunk = samples[start : start + self.micro_batch_size]
+            logprobs, _ = token_logprobs(self.model, samples_to_batch(chunk, self.pad_token_id), self.temperature)
+            out.extend(lp[: len(s.response_ids)].tolist() for s, lp in zip(chunk, logprobs))
+        return out
