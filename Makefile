@@ -15,7 +15,7 @@ $(BIN)/rlx: pyproject.toml
 install: $(BIN)/rlx
 
 demo: install
-	$(BIN)/rlx train examples/chain_sum_smollm2.yaml
+	$(BIN)/rlx train examples/chain_sum_smollm2.yaml --overwrite
 
 test: install
 	$(BIN)/python -m pytest -q -ra

@@ -7,6 +7,7 @@ unknown keys, so a typo is an error that names the key and the keys allowed besi
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +15,21 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlx.errors import UserError
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-6` as a string; accept YAML 1.2 floats so free-form dicts get numbers too."""
+
+
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Yaml12Loader)
 
 
 class ConfigError(UserError, ValueError):
@@ -142,7 +158,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
             node = child
-        node[leaf] = yaml.safe_load(text) if text else ""
+        node[leaf] = parse_yaml(text) if text else ""
     return raw
 
 
@@ -179,7 +195,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     raw: dict[str, Any] = {}
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = parse_yaml(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {str(path)!r} does not exist") from None
         except yaml.YAMLError as exc:

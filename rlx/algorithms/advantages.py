@@ -12,9 +12,10 @@ ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
 def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-element mean and unbiased std of the element's group (std 0 for a group of one)."""
     groups, index = torch.unique(group_ids, return_inverse=True)
-    count = torch.zeros(len(groups), dtype=values.dtype).index_add_(0, index, torch.ones_like(values))
-    mean = torch.zeros(len(groups), dtype=values.dtype).index_add_(0, index, values) / count
-    sq_dev = torch.zeros(len(groups), dtype=values.dtype).index_add_(0, index, (values - mean[index]) ** 2)
+    zeros = values.new_zeros(len(groups))
+    count = zeros.index_add(0, index, torch.ones_like(values))
+    mean = zeros.index_add(0, index, values) / count
+    sq_dev = zeros.index_add(0, index, (values - mean[index]) ** 2)
     std = torch.where(count > 1, sq_dev / (count - 1).clamp(min=1), torch.zeros_like(sq_dev)).sqrt()
     return mean[index], std[index]
 

@@ -21,7 +21,8 @@ def policy_objective(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`fields` holds [B, R] `old_logprobs`, `advantages` and, when KL is on, `ref_logprobs`.
 
-    Metrics are shares of the global mean (token-weighted), so they sum over micro-batches.
+    Every metric is this micro-batch's share of the global value (aggregated like the loss; clip
+    fraction and ratio per token), so summing over micro-batches gives the step's value.
     """
     loss_fn = POLICY_LOSSES.get(config.policy_loss)
     per_token, clipped = loss_fn(
@@ -29,20 +30,20 @@ def policy_objective(
     )
     policy_loss = aggregate(per_token, mask, config.aggregation, global_tokens, global_sequences)
     loss = policy_loss
-    metrics = {"policy_loss": float(policy_loss)}
+    metrics = {"policy_loss": policy_loss.item()}
     if config.kl_coef > 0:
         kl = aggregate(kl_estimate(logprobs, fields["ref_logprobs"], config.kl_type), mask, config.aggregation,
                        global_tokens, global_sequences)
         loss = loss + config.kl_coef * kl
-        metrics["kl"] = float(kl)
+        metrics["kl"] = kl.item()
     entropy_mean = aggregate(entropy, mask, config.aggregation, global_tokens, global_sequences)
     if config.entropy_coef > 0:
         loss = loss - config.entropy_coef * entropy_mean
     token_share = lambda values: float((values * mask).sum()) / max(global_tokens, 1.0)  # noqa: E731
     metrics.update(
-        entropy=float(entropy_mean),
+        entropy=entropy_mean.item(),
         clip_fraction=token_share(clipped),
         ratio_mean=token_share(torch.exp(logprobs - fields["old_logprobs"]).detach()),
-        loss=float(loss),
+        loss=loss.item(),
     )
     return loss, metrics

@@ -16,7 +16,9 @@ from rlx.engines.generation.base import GenerationRequest, GenerationResult, Sam
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) everything outside the top-k tokens and outside the top-p nucleus."""
+    """Mask (to -inf) everything outside the top-k tokens and outside the top-p nucleus.
+
+    Tokens tied with the k-th logit all stay, so top-k may keep a few more than k on exact ties."""
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1,0 +1,21 @@
+"""Shared fixtures: a tiny model built in code (no hub), written once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlx.models import load_pretrained
+from rlx.models.tiny import build_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("models") / "tiny-char", hidden=64, layers=2, heads=4, seed=0)
+
+
+@pytest.fixture()
+def tiny(tiny_path):
+    """A fresh (model, tokenizer) pair; tests may train or mutate it."""
+    torch.manual_seed(0)
+    return load_pretrained(tiny_path)

@@ -1,0 +1,93 @@
+"""The generation engine and the training engine agree on log-probs, and the engine streams."""
+
+from __future__ import annotations
+
+import torch
+
+from rlx.engines.generation.base import GenerationRequest, SamplingParams
+from rlx.engines.generation.hf import HFGenerationEngine
+from rlx.engines.training import collate, token_logprobs
+from rlx.models import eos_token_ids
+
+
+def _engine(model, tokenizer, batch=64):
+    return HFGenerationEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer), tokenizer, batch)
+
+
+def _requests(tokenizer, prompts):
+    return [GenerationRequest(i, tokenizer(p, add_special_tokens=False)["input_ids"]) for i, p in enumerate(prompts)]
+
+
+PROMPTS = ["12+7=", "a much longer prompt to force left padding:", "x", "3-9="]
+
+
+def _max_logprob_gap(model, tokenizer, results, temperature):
+    batch = collate([r.prompt_ids for r in results], [r.response_ids for r in results], tokenizer.pad_token_id)
+    with torch.no_grad():
+        trained, _ = token_logprobs(model, batch, temperature)
+    gaps = [
+        (trained[row, : len(r.logprobs)] - torch.tensor(r.logprobs)).abs().max().item()
+        for row, r in enumerate(results)
+    ]
+    return max(gaps)
+
+
+def test_logprobs_agree_fp32(tiny):
+    model, tokenizer = tiny
+    engine = _engine(model, tokenizer)
+    params = SamplingParams(temperature=0.7, max_new_tokens=24, seed=1)
+    results = engine.generate(_requests(tokenizer, PROMPTS * 4), params)
+    assert {len(r.response_ids) for r in results} != {0}
+    assert _max_logprob_gap(model, tokenizer, results, 0.7) < 1e-4
+
+
+def test_logprobs_agree_after_weight_load(tiny, tiny_path):
+    from rlx.models import load_pretrained
+
+    model, tokenizer = tiny
+    trainer_model, _ = load_pretrained(tiny_path)
+    with torch.no_grad():
+        for p in trainer_model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine = _engine(model, tokenizer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=2)
+    before = engine.generate(_requests(tokenizer, PROMPTS), params)
+    engine.load_weights(trainer_model.state_dict(), version=3)
+    after = engine.generate(_requests(tokenizer, PROMPTS), params)
+    assert engine.weight_version == 3 and all(r.weight_version == 3 for r in after)
+    assert [r.response_ids for r in before] != [r.response_ids for r in after]
+    assert _max_logprob_gap(trainer_model, tokenizer, after, 1.0) < 1e-4
+
+
+def test_stream_yields_each_sample_as_it_finishes(tiny):
+    model, tokenizer = tiny
+    engine = _engine(model, tokenizer)
+    frequent = tokenizer.convert_tokens_to_ids(list("aeiou0123456789 "))
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=tuple(frequent), seed=3)
+    lengths = [len(r.response_ids) for r in engine.stream(_requests(tokenizer, ["go"] * 16), params)]
+    assert len(lengths) == 16
+    assert lengths == sorted(lengths), "results must arrive in finishing order"
+    assert lengths[0] < lengths[-1]
+
+
+def test_finished_rows_leave_the_batch_without_changing_results(tiny):
+    """Pruning finished rows from the KV cache must not change the other rows' tokens."""
+    model, tokenizer = tiny
+    requests = _requests(tokenizer, ["go", "stop early please", "a", "bb", "Q: 12+30=", "zz top"])
+    free = _engine(model, tokenizer).generate(requests, SamplingParams(0.0, max_new_tokens=20))
+    stop = (free[0].response_ids[2],)  # row 0 stops by its third token; the others at their own pace
+    params = SamplingParams(0.0, max_new_tokens=20, stop_token_ids=stop)
+    together = _engine(model, tokenizer).generate(requests, params)
+    alone = [_engine(model, tokenizer).generate([r], params)[0] for r in requests]
+    assert [r.response_ids for r in together] == [r.response_ids for r in alone]
+    assert len({len(r.response_ids) for r in together}) > 1
+
+
+def test_seeded_sampling_is_reproducible_and_honours_max_tokens(tiny):
+    model, tokenizer = tiny
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=7, seed=11)
+    first = _engine(model, tokenizer).generate(_requests(tokenizer, PROMPTS), params)
+    second = _engine(model, tokenizer).generate(_requests(tokenizer, PROMPTS), params)
+    assert [r.response_ids for r in first] == [r.response_ids for r in second]
+    assert all(len(r.response_ids) <= 7 for r in first)
+    assert all(r.finish_reason in ("stop", "length") for r in first)

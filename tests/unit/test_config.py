@@ -1,0 +1,175 @@
+"""Unit tests for rlx.config: defaults, YAML + dotted overrides, error messages, round trip."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from rlx.config import ConfigError, RunConfig, apply_overrides, build_config, load_config
+from rlx.errors import UserError
+
+
+def test_defaults_build():
+    config = build_config({})
+    assert config == RunConfig()
+    assert load_config(None) == config
+    assert config.train.lr == 1e-5
+    assert config.algorithm.advantage == "grpo"
+    assert config.algorithm.clip_low == 0.2 and config.algorithm.clip_high == 0.28
+    assert config.data.source == "reasoning_gym"
+    assert config.rollout.n == 8
+    assert str(config.run_dir) == "runs/run"
+
+
+def test_config_error_is_a_user_error():
+    assert issubclass(ConfigError, UserError)
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "train:\n  lr: 3.0e-5\n  steps: 5\nrollout:\n  n: 4\n  temperature: 0.7\nlogging:\n  name: exp1\n"
+    )
+    config = load_config(path, ["train.lr=1e-6", "rollout.n=8", 'rollout.stop=["</s>", "\\n\\n"]',
+                                "train.betas=[0.8, 0.95]", "data.task_params.min_terms=2"])
+    assert config.train.lr == 1e-6 and isinstance(config.train.lr, float)  # override beats the file
+    assert config.rollout.n == 8 and isinstance(config.rollout.n, int)
+    assert config.train.steps == 5  # file value kept
+    assert config.rollout.temperature == 0.7
+    assert config.rollout.stop == ["</s>", "\n\n"]
+    assert config.train.betas == (0.8, 0.95)
+    assert config.data.task_params == {"min_terms": 2}
+    assert str(config.run_dir) == "runs/exp1"
+
+
+def test_apply_overrides_parses_yaml_scalars():
+    raw = apply_overrides({}, ["rollout.n=8", "train.lr=0.5", "logging.progress_bar=false", "rollout.stop=[a, b]",
+                               "logging.name=my run", "model.path="])
+    assert raw["rollout"]["n"] == 8 and isinstance(raw["rollout"]["n"], int)
+    assert raw["train"]["lr"] == 0.5 and isinstance(raw["train"]["lr"], float)
+    assert raw["logging"]["progress_bar"] is False
+    assert raw["rollout"]["stop"] == ["a", "b"]
+    assert raw["logging"]["name"] == "my run"
+    assert raw["model"]["path"] == ""
+
+
+def test_exponent_floats_in_free_form_task_params_are_floats():
+    # `1e-3` is a float to any user (and in YAML 1.2); typed fields get coerced by pydantic, but
+    # data.task_params is dict[str, Any], so whatever apply_overrides produced reaches reasoning-gym as is.
+    config = load_config(None, ["data.task_params.min_value=1e-3", "train.lr=2e-6"])
+    assert config.train.lr == 2e-6
+    assert isinstance(config.data.task_params["min_value"], float), config.data.task_params
+
+
+def test_override_errors():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["train.lr"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["=3"])
+    with pytest.raises(ConfigError, match="not a section"):
+        apply_overrides({"train": 5}, ["train.lr=1"])
+
+
+@pytest.mark.parametrize(
+    "override,key,suggestion",
+    [
+        ("trian.lr=1e-6", "'trian'", "'train'"),
+        ("train.lrr=1e-6", "'train.lrr'", "'train.lr'"),
+        ("rollout.temprature=0.5", "'rollout.temprature'", "'rollout.temperature'"),
+    ],
+)
+def test_unknown_key_names_key_and_suggests(override, key, suggestion):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    assert f"unknown key {key}" in message
+    assert f"Did you mean {suggestion}?" in message
+    assert "Allowed here:" in message
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  kl_cof: 0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "algorithm.kl_cof" in str(info.value)
+    assert "'algorithm.kl_coef'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override,fragments",
+    [
+        ("train.lr=-1", ["train.lr", "-1", "greater than 0"]),
+        ("rollout.top_p=1.5", ["rollout.top_p", "1.5", "less than or equal to 1"]),
+        ("rollout.n=0", ["rollout.n", "0", "greater than or equal to 1"]),
+        ("algorithm.kl_type=k7", ["algorithm.kl_type", "k7", "k1"]),
+    ],
+)
+def test_bad_value_names_key_value_and_bound(override, fragments):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_several_errors_are_all_reported():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.lr=-1", "rollout.top_p=1.5"])
+    assert "train.lr" in str(info.value) and "rollout.top_p" in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        load_config(missing)
+    assert "nope.yaml" in str(info.value)
+
+
+def test_invalid_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_yaml_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+
+
+def test_empty_yaml_file_gives_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(path) == RunConfig()
+
+
+@pytest.mark.parametrize("source", ["jsonl", "parquet"])
+def test_file_source_needs_path(source):
+    with pytest.raises(ConfigError, match="data.path"):
+        load_config(None, [f"data.source={source}"])
+    config = load_config(None, [f"data.source={source}", "data.path=train.jsonl"])
+    assert config.data.path == "train.jsonl"
+
+
+def test_assignment_is_validated():
+    config = RunConfig()
+    with pytest.raises(ValueError):
+        config.train.lr = -1.0
+
+
+def test_to_yaml_round_trip():
+    config = load_config(None, [
+        "train.lr=2.5e-6", "train.steps=7", "train.betas=[0.8, 0.9]", "train.time_budget_s=12.5",
+        "rollout.stop=['</s>', 'END']", "rollout.top_k=5", "algorithm.kl_coef=0.05", "algorithm.kl_type=k2",
+        "data.source=jsonl", "data.path=/tmp/x.jsonl", "data.task_params={a: 1, b: [1, 2]}",
+        "logging.name=round", "resources.num_threads=2",
+    ])
+    text = config.to_yaml()
+    again = build_config(yaml.safe_load(text))
+    assert again == config
+    assert again.to_yaml() == text
+    assert RunConfig() == build_config(yaml.safe_load(RunConfig().to_yaml()))

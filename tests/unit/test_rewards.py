@@ -1,0 +1,234 @@
+"""Unit tests for rlx.rewards: answer extraction, built-in rewards, custom rewards, safe scoring."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import pytest
+
+from rlx.config import ConfigError
+from rlx.data.gym import gym_splits
+from rlx.rewards import REWARDS, RewardOutcome, build_reward, load_custom_reward, score_safely
+from rlx.rewards.extract import extract_answer, last_boxed
+
+# ------------------------------------------------------------------------------------ extraction
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("2 + 3 = 5", "5"),
+        ("first 12, then 7.5 and finally 42.", "42"),
+        ("The result is -17", "-17"),
+        ("so it is -3.25!", "-3.25"),
+        ("total: 1,234,567 apples", "1234567"),
+        ("owe -1,000.50 dollars", "-1000.50"),
+        ("no digits here", None),
+        ("", None),
+    ],
+)
+def test_extract_last_number(text, expected):
+    assert extract_answer(text, "last_number") == expected
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("think... <answer>42</answer>", "42"),
+        ("<answer> 1 </answer> then <answer>\n  two words \n</answer>", "two words"),
+        ("<answer>multi\nline</answer>", "multi\nline"),
+        ("<answer>unclosed", None),
+        ("no tag 7", None),
+    ],
+)
+def test_extract_answer_tag(text, expected):
+    assert extract_answer(text, "answer_tag") == expected
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so \\boxed{42}.", "42"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{1} but really \\boxed{\\sqrt{\\frac{a}{b}} + {c}}", "\\sqrt{\\frac{a}{b}} + {c}"),
+        ("\\boxed{unbalanced {", None),
+        ("no box 3", None),
+    ],
+)
+def test_extract_boxed(text, expected):
+    assert extract_answer(text, "boxed") == expected
+    assert last_boxed(text) == expected
+
+
+def test_extract_none_returns_stripped_text():
+    assert extract_answer("  The answer: 7 \n", "none") == "The answer: 7"
+
+
+def test_extract_unknown_mode():
+    with pytest.raises(ValueError, match="xml"):
+        extract_answer("1", "xml")
+
+
+# ------------------------------------------------------------------------------------- built-ins
+
+
+def test_builtin_names():
+    assert {"reasoning_gym", "exact_match", "math_verify"} <= set(REWARDS.names())
+
+
+def test_exact_match():
+    reward = build_reward("exact_match", "last_number")
+    assert reward("I think it's 12", "12", {}) == 1.0
+    assert reward("I think it's 12", " 12\n", {}) == 1.0  # label is stripped too
+    assert reward("I think it's 13", "12", {}) == 0.0
+    assert reward("no answer", "12", {}) == 0.0
+    assert reward("it is 12", 12, {}) == 1.0  # a non-string label is compared as text
+    tagged = build_reward("exact_match", "answer_tag")
+    assert tagged("<answer> Paris </answer>", "Paris", {}) == 1.0
+    assert tagged("<answer>paris</answer>", "Paris", {}) == 0.0
+
+
+def test_math_verify():
+    reward = build_reward("math_verify", "boxed")
+    assert reward("so the answer is \\boxed{\\frac{1}{2}}", "1/2", {}) == 1.0
+    assert reward("\\boxed{0.5}", "1/2", {}) == 1.0
+    assert reward("\\boxed{0.3}", "1/2", {}) == 0.0
+    assert reward("no box at all: 1/2", "1/2", {}) == 0.0  # nothing extracted -> 0
+    plain = build_reward("math_verify", "last_number")
+    assert plain("x = 4", "4", {}) == 1.0
+    assert plain("x = 5", "4", {}) == 0.0
+
+
+@pytest.fixture(scope="module")
+def chain_sum_rows():
+    params = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2)
+    train, _ = gym_splits("chain_sum", params, train_size=3, eval_size=0, seed=1)
+    return train
+
+
+def test_reasoning_gym_reward_on_chain_sum(chain_sum_rows):
+    import reasoning_gym
+
+    entries = list(reasoning_gym.create_dataset(
+        "chain_sum", min_terms=2, max_terms=2, min_digits=1, max_digits=2, size=3, seed=1))
+    assert [row.prompt for row in chain_sum_rows] == [e["question"] for e in entries]
+    assert [row.label for row in chain_sum_rows] == [str(e["answer"]) for e in entries]
+
+    reward = build_reward("reasoning_gym", "last_number")
+    for row in chain_sum_rows:
+        assert row.metadata["source_dataset"] == "chain_sum"
+        right = int(row.label)
+        assert reward(f"Adding up, the answer is {right}", row.label, row.metadata) == 1.0
+        assert reward(f"the answer is {right + 1}", row.label, row.metadata) < 1.0
+        assert reward(f"the answer is {right + 1}", row.label, row.metadata) <= 0.01
+    tagged = build_reward("reasoning_gym", "answer_tag")
+    row = chain_sum_rows[0]
+    assert tagged(f"<answer>{row.label}</answer>", row.label, row.metadata) == 1.0
+
+
+def test_reasoning_gym_reward_needs_source_dataset():
+    reward = build_reward("reasoning_gym", "last_number")
+    with pytest.raises(KeyError, match="source_dataset"):
+        reward("5", "5", {})
+    outcome = score_safely(reward, "5", "5", {})
+    assert outcome.failed and "source_dataset" in outcome.error
+
+
+# ------------------------------------------------------------------------------ custom rewards
+
+
+def length_reward(completion, label, metadata):
+    return min(1.0, len(completion) / 10)
+
+
+@pytest.fixture
+def custom_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_for_rlx_tests.py").write_text(textwrap.dedent("""
+        NOT_CALLABLE = 3
+
+        def contains_label(completion, label, metadata):
+            return float(label in completion) * metadata.get("weight", 1.0)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_rewards_for_rlx_tests"
+
+
+def test_custom_reward_from_module_file(custom_module):
+    reward = build_reward(f"{custom_module}:contains_label", "boxed")  # extract mode is ignored
+    assert reward("the capital is Paris", "Paris", {}) == 1.0
+    assert reward("the capital is Rome", "Paris", {}) == 0.0
+    assert reward("Paris", "Paris", {"weight": 0.5}) == 0.5
+
+
+def test_custom_reward_from_this_module():
+    import sys
+
+    module = sys.modules[length_reward.__module__]
+    reward = load_custom_reward(f"{module.__name__}:length_reward")
+    assert reward is length_reward
+    assert reward("12345", "", {}) == 0.5
+
+
+def test_custom_reward_errors(custom_module):
+    with pytest.raises(ConfigError, match="missing_fn"):
+        build_reward(f"{custom_module}:missing_fn", "none")
+    with pytest.raises(ConfigError, match="no_such_module_xyz"):
+        build_reward("no_such_module_xyz:fn", "none")
+    with pytest.raises(ConfigError, match="not callable"):
+        build_reward(f"{custom_module}:NOT_CALLABLE", "none")
+
+
+def test_unknown_reward_name():
+    with pytest.raises(ConfigError) as info:
+        build_reward("f1_score", "last_number")
+    assert "f1_score" in str(info.value)
+    assert "exact_match" in str(info.value)
+
+
+# --------------------------------------------------------------------------------- safe scoring
+
+
+def _raises(completion, label, metadata):
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize(
+    "fn,score,error_part",
+    [
+        (_raises, 0.0, "RuntimeError: boom"),
+        (lambda c, l, m: float("nan"), 0.0, "nan"),
+        (lambda c, l, m: float("inf"), 0.0, "inf"),
+        (lambda c, l, m: "1.0", 0.0, "'1.0'"),
+        (lambda c, l, m: None, 0.0, "None"),
+    ],
+)
+def test_score_safely_failures(fn, score, error_part):
+    outcome = score_safely(fn, "c", "l", {})
+    assert isinstance(outcome, RewardOutcome)
+    assert outcome.failed
+    assert outcome.score == score
+    assert error_part in outcome.error
+
+
+@pytest.mark.parametrize("value,expected", [(True, 1.0), (False, 0.0), (1, 1.0), (0.25, 0.25)])
+def test_score_safely_accepts_numbers_and_bools(value, expected):
+    outcome = score_safely(lambda c, l, m: value, "c", "l", {})
+    assert not outcome.failed
+    assert outcome.error is None
+    assert outcome.score == expected
+    assert type(outcome.score) is float
+
+
+def test_score_safely_accepts_numpy_scalar():
+    np = pytest.importorskip("numpy")
+    outcome = score_safely(lambda c, l, m: np.float64(0.75), "c", "l", {})
+    assert not outcome.failed and outcome.score == 0.75
+    bad = score_safely(lambda c, l, m: np.float32("nan"), "c", "l", {})
+    assert bad.failed and not math.isnan(bad.score)
+
+
+def test_score_safely_passes_arguments_through():
+    seen = []
+    score_safely(lambda c, l, m: seen.append((c, l, m)) or 0.0, "comp", "lab", {"k": 1})
+    assert seen == [("comp", "lab", {"k": 1})]
