@@ -112,6 +112,7 @@ class TrainConfig(Section):
     eval_every: int = Field(10, ge=0, description="0 evaluates only before and after training")
     checkpoint_every: int = Field(0, ge=0, description="0 saves only the final checkpoint")
     time_budget_s: float | None = Field(None, gt=0, description="stop after this much wall time")
+    step_timeout_s: float = Field(600.0, gt=0, description="longest wait for one step's samples before failing")
     seed: int = 0
 
 

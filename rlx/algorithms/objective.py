@@ -47,3 +47,17 @@ def policy_objective(
         loss=loss.item(),
     )
     return loss, metrics
+
+
+TOKEN_SHARE_METRICS = ("clip_fraction", "ratio_mean")
+
+
+def loss_scale(aggregation: str, tokens: float, sequences: float) -> float:
+    """The factor that turns summed (normaliser 1) losses into the aggregated mean."""
+    return 1.0 / max(tokens if aggregation == "token-mean" else sequences, 1.0)
+
+
+def finalize_metrics(sums: dict[str, float], aggregation: str, tokens: float, sequences: float) -> dict[str, float]:
+    """Metric sums from `policy_objective(..., 1, 1)` over a step -> the step's means."""
+    scale = loss_scale(aggregation, tokens, sequences)
+    return {k: v / max(tokens, 1.0) if k in TOKEN_SHARE_METRICS else v * scale for k, v in sums.items()}

@@ -32,9 +32,15 @@ def gym_splits(task: str, params: dict[str, Any], train_size: int, eval_size: in
     if task not in SUPPORTED_TASKS:
         raise DataError(f"data.task={task!r} is not a built-in task; use one of {', '.join(SUPPORTED_TASKS)}")
     train = _rows(task, params, train_size, seed)
+    if eval_size == 0:
+        return train, []
     seen = {row.prompt for row in train}
-    candidates = _rows(task, params, eval_size * 2 + 16, seed + EVAL_SEED_OFFSET)
-    held_out = [row for row in candidates if row.prompt not in seen][:eval_size]
+    held_out: list[PromptRow] = []
+    for attempt in range(1, 5):  # small task spaces overlap a lot: draw ever more candidates
+        candidates = _rows(task, params, eval_size * 4**attempt, seed + EVAL_SEED_OFFSET)
+        held_out = list({row.prompt: row for row in candidates if row.prompt not in seen}.values())[:eval_size]
+        if len(held_out) == eval_size:
+            break
     if len(held_out) < eval_size:
         raise DataError(f"only {len(held_out)} held-out {task} problems differ from the train split; "
                         f"lower data.eval_size or widen data.task_params")

@@ -8,17 +8,21 @@ from typing import Any
 
 @dataclass
 class Sample:
+    """Every field but the ids has a default: a role rebuilds samples from just the bus fields it reads."""
+
     uid: int
     group_id: int  # the prompt's position in the data stream; the n responses share it
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]
-    behavior_version: int
-    finish_reason: str
-    response_text: str
-    label: str
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    behavior_version: int = 0
+    finish_reason: str = ""
+    response_text: str = ""
+    label: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     loss_mask: list[float] | None = None
     reward: float | None = None
     reward_error: str | None = None
     advantage: float | None = None
+    ref_logprobs: list[float] | None = None
+    filter_reason: str | None = None  # why the sample is not trained on, if it is not

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -14,6 +15,10 @@ from rlx.engines.generation import SamplingParams, build_generation_engine
 from rlx.engines.training import TrainingEngine
 from rlx.models import eos_token_ids, load_pretrained, resolve_model_path
 from rlx.rewards import build_reward
+from rlx.orchestration.staleness import StalenessGate
+from rlx.orchestration.workers import (
+    ActorWorker, AdvantagesWorker, ReferenceWorker, RewardWorker, RolloutWorker, Worker,
+)
 from rlx.roles import Actor, Advantages, Reference, Reward, Rollout
 
 
@@ -83,4 +88,33 @@ def build_components(config: RunConfig) -> Components:
         reference=reference,
         train_stream=PromptStream(train_rows, seed=config.data.seed),
         eval_rows=eval_rows,
+    )
+
+
+@dataclass
+class Workers:
+    rollout: RolloutWorker
+    reward: RewardWorker
+    advantages: AdvantagesWorker
+    reference: ReferenceWorker | None
+    actor: ActorWorker
+
+    def all(self) -> list[Worker]:
+        return [w for w in (self.rollout, self.reward, self.advantages, self.reference, self.actor) if w is not None]
+
+
+def build_workers(c: Components, bus, trainer_version: Callable[[], int], sync_weights: Callable[[], None],
+                  publish: Callable[[], None], max_staleness: int) -> Workers:
+    """Connect the roles of `c` to `bus`; the callables say how weights travel in this mode."""
+    r, t = c.config.rollout, c.config.train
+    gate = StalenessGate(max_staleness, r.prompts_per_step)
+    return Workers(
+        rollout=RolloutWorker(c.rollout, bus, c.train_stream, c.encode, r.n,
+                              lambda started: c.sampling(seed=t.seed * 100_003 + started), gate, trainer_version,
+                              sync_weights, wave_groups=max(1, r.max_batch_size // r.n)),
+        reward=RewardWorker(c.reward, bus),
+        advantages=AdvantagesWorker(c.advantages, bus, group_size=r.n),
+        reference=ReferenceWorker(c.reference, bus, t.micro_batch_size) if c.reference is not None else None,
+        actor=ActorWorker(c.actor, bus, r.prompts_per_step * r.n, t.micro_batch_size, gate,
+                          with_reference=c.reference is not None, timeout_s=t.step_timeout_s, publish=publish),
     )

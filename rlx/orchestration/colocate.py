@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from rlx.config import RunConfig
 from rlx.obs import MetricsWriter, plot_run
-from rlx.orchestration.builder import Components, build_components
+from rlx.bus import LocalBus
+from rlx.orchestration.builder import Workers, build_components, build_workers
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.run_dir import checkpoint_path, latest_checkpoint, prepare_run_dir
 
@@ -35,44 +36,25 @@ class PhaseTimer:
         return {f"time_{k}_s": v for k, v in self.seconds.items()}
 
 
-def train_one_step(c: Components, step: int, totals: Counter) -> dict[str, float]:
-    cfg, timer = c.config, PhaseTimer()
-    groups = [(index, row, c.encode(row)) for index, row in c.train_stream.take(cfg.rollout.prompts_per_step)]
+def train_one_step(workers: Workers) -> dict[str, float]:
+    """Generate one step's groups, then score, advantage, (reference) and train them, in order."""
+    timer = PhaseTimer()
+    rollout = workers.rollout
     with timer("rollout"):
-        samples = list(c.rollout.generate(groups, cfg.rollout.n, c.sampling(seed=cfg.train.seed * 100_003 + step)))
+        rollout.generate(rollout.gate.groups_allowed(rollout.groups_started, rollout.trainer_version()))
     with timer("reward"):
-        c.reward.score(samples)
+        workers.reward.drain()
     with timer("advantages"):
-        result = c.advantages.compute(samples)
-    metrics: dict[str, float] = {}
-    if result.kept:
-        ref_logprobs = None
-        if c.reference is not None:
-            with timer("reference"):
-                ref_logprobs = c.reference.logprobs(result.kept)
-        with timer("train"):
-            metrics.update(c.actor.train(result.kept, ref_logprobs))
-        with timer("sync"):
-            c.sync_weights()
-    trained_groups = len({s.group_id for s in result.kept})
-    totals.update(prompts=len(groups), samples=len(samples), trained_samples=len(result.kept),
-                  trained_groups=trained_groups, filtered_groups=len(groups) - trained_groups,
-                  reward_failed=result.filtered["reward_failed"])
-    lengths = [len(s.response_ids) for s in samples]
-    rewards = [s.reward for s in samples if s.reward_error is None]
-    metrics.update(timer.metrics())
-    metrics.update(
-        reward_mean=sum(rewards) / max(1, len(rewards)),
-        reward_failed=float(result.filtered["reward_failed"]),
-        filtered_zero_std=float(result.filtered["zero_std_group"]),
-        response_length=sum(lengths) / len(lengths),
-        truncated_fraction=sum(s.finish_reason == "length" for s in samples) / len(samples),
-        gen_tokens_per_s=sum(lengths) / max(timer.seconds["rollout"], 1e-9),
-        weight_version=float(c.actor.version),
-        time_step_s=sum(timer.seconds.values()),
-    )
-    if "train" in timer.seconds:
-        metrics["train_tokens_per_s"] = metrics["train_tokens"] / max(timer.seconds["train"], 1e-9)
+        workers.advantages.drain()
+    if workers.reference is not None:
+        with timer("reference"):
+            workers.reference.drain()
+    with timer("train"):
+        metrics = workers.actor.train_step()
+    metrics.update(timer.metrics(), time_step_s=sum(timer.seconds.values()))
+    generated = metrics["response_length"] * workers.actor.rows_per_step
+    metrics["gen_tokens_per_s"] = generated / max(timer.seconds["rollout"], 1e-9)
+    metrics["train_tokens_per_s"] = metrics["train_tokens"] / max(timer.seconds["train"], 1e-9)
     return metrics
 
 
@@ -81,6 +63,10 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
     run_dir = prepare_run_dir(config, resume, overwrite)
     started = time.perf_counter()
     c = build_components(config)
+    # Colocated: generation starts a step's groups only after the previous step trained (staleness 0),
+    # and weights are copied into the generation engine right after each optimizer step.
+    workers = build_workers(c, LocalBus(), trainer_version=lambda: c.actor.version, sync_weights=lambda: None,
+                            publish=c.sync_weights, max_staleness=0)
     step, totals = 0, Counter()
     if resume:
         checkpoint = latest_checkpoint(run_dir)
@@ -106,7 +92,10 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
             if budget is not None and time.perf_counter() - started > budget:
                 echo(f"time budget of {budget:.0f}s reached after {step} steps")
                 break
-            metrics = train_one_step(c, step, totals)
+            metrics = train_one_step(workers)
+            totals.update({k.removeprefix("filtered_"): int(v) for k, v in metrics.items() if k.startswith("filtered_")},
+                          prompts=config.rollout.prompts_per_step,
+                          trained_samples=int(metrics["trained_samples"]))
             step += 1
             if eval_every and step % eval_every == 0 and step < config.train.steps:
                 metrics.update(evaluate(c))

@@ -1,10 +1,15 @@
-"""Actor: turns scored, advantaged samples into one optimizer step of the policy."""
+"""Actor: turns scored, advantaged samples into optimizer steps of the policy.
+
+A step may arrive all at once (`train`) or as a stream of micro-batches (`begin_step`,
+`accumulate` per micro-batch, `finish_step`). Losses are summed per micro-batch and scaled once
+the step's token and sequence counts are known, so both paths give the same update.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from rlx.algorithms.objective import policy_objective
+from rlx.algorithms.objective import finalize_metrics, loss_scale, policy_objective
 from rlx.config import AlgorithmConfig
 from rlx.data.sample import Sample
 from rlx.engines.training.engine import TrainingEngine
@@ -16,30 +21,54 @@ class Actor:
         self.engine = engine
         self.config = config
         self.pad_token_id = pad_token_id
+        self._sums: dict[str, float] = {}
+        self._tokens = self._sequences = 0.0
 
     @property
     def version(self) -> int:
         """Published weight version = optimizer steps taken."""
         return self.engine.step
 
-    def train(self, samples: list[Sample], ref_logprobs: list[list[float]] | None = None) -> dict[str, float]:
+    def begin_step(self) -> None:
+        self.engine.begin_step()
+        self._sums, self._tokens, self._sequences = {}, 0.0, 0.0
+
+    def accumulate(self, samples: list[Sample], ref_logprobs: list[list[float]] | None = None) -> None:
+        """Forward and backward one micro-batch."""
         per_token = {"advantages": [[s.advantage] * len(s.response_ids) for s in samples]}
         if ref_logprobs is not None:
             per_token["ref_logprobs"] = ref_logprobs
         batch = samples_to_batch(samples, self.pad_token_id, per_token)
-        # One optimizer step per batch: the policy that sampled is the policy being updated, so the
-        # "old" log-probs are the current ones, detached (ratio 1, gradient of the surrogate intact).
-        global_tokens = float(batch.response_mask.sum())
 
         def loss_fn(mb, logprobs, entropy):
             fields = {k: v.to(logprobs.device) for k, v in mb.per_token.items()}
+            # One optimizer step per batch: the policy that sampled is the one being updated, so the
+            # "old" log-probs are the current ones, detached (ratio 1, surrogate gradient intact).
             fields["old_logprobs"] = logprobs.detach()
             return policy_objective(logprobs, entropy, mb.response_mask.to(logprobs.device), fields, self.config,
-                                    global_tokens, float(batch.size))
+                                    1.0, 1.0)
 
-        metrics = self.engine.train_step(batch, loss_fn)
-        metrics["train_tokens"] = global_tokens
+        metrics = self.engine.accumulate(batch, loss_fn)
+        for key, value in metrics.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+        self._tokens += float(batch.response_mask.sum())
+        self._sequences += float(batch.size)
+
+    def finish_step(self) -> dict[str, float]:
+        scale = loss_scale(self.config.aggregation, self._tokens, self._sequences)
+        metrics = finalize_metrics(self._sums, self.config.aggregation, self._tokens, self._sequences)
+        metrics.update(self.engine.finish_step(grad_scale=scale))
+        metrics.update(train_tokens=self._tokens, train_sequences=self._sequences)
         return metrics
+
+    def train(self, samples: list[Sample], ref_logprobs: list[list[float]] | None = None) -> dict[str, float]:
+        """One step over samples that are all here, split into micro-batches."""
+        self.begin_step()
+        size = self.engine.config.micro_batch_size
+        for start in range(0, len(samples), size):
+            refs = ref_logprobs[start : start + size] if ref_logprobs is not None else None
+            self.accumulate(samples[start : start + size], refs)
+        return self.finish_step()
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.engine.weights()

@@ -1,4 +1,4 @@
-"""Advantages: per-group advantage estimation, dropping samples that cannot teach anything."""
+"""Advantages: per-group advantage estimation; marks samples that cannot teach anything."""
 
 from __future__ import annotations
 
@@ -24,27 +24,28 @@ class Advantages:
         self.estimator = ADVANTAGE_ESTIMATORS.get(config.advantage)
 
     def compute(self, samples: list[Sample]) -> AdvantageResult:
-        result = AdvantageResult(kept=[])
-        scored = []
+        """Set `advantage` on every scored sample and `filter_reason` on those not to train on.
+
+        `samples` must hold whole groups: group statistics are taken over what is passed in.
+        """
         for sample in samples:
             if sample.reward_error is not None:
-                result.filtered["reward_failed"] += 1
-            else:
-                scored.append(sample)
-        if not scored:
-            return result
-        rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)
-        group_ids = torch.tensor([s.group_id for s in scored])
-        advantages = self.estimator(rewards, group_ids, norm_std=self.config.norm_std)
-        for sample, advantage in zip(scored, advantages.tolist()):
-            sample.advantage = advantage
-        by_group: dict[int, list[Sample]] = {}
-        for sample in scored:
-            by_group.setdefault(sample.group_id, []).append(sample)
-        for members in by_group.values():
-            flat = len({s.reward for s in members}) == 1
-            if flat and self.config.filter_zero_std_groups:
-                result.filtered["zero_std_group"] += len(members)
-            else:
-                result.kept.extend(members)
-        return result
+                sample.filter_reason, sample.advantage = "reward_failed", 0.0
+        scored = [s for s in samples if s.filter_reason is None]
+        if scored:
+            rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)
+            group_ids = torch.tensor([s.group_id for s in scored])
+            advantages = self.estimator(rewards, group_ids, norm_std=self.config.norm_std)
+            for sample, advantage in zip(scored, advantages.tolist()):
+                sample.advantage = advantage
+            if self.config.filter_zero_std_groups:
+                rewards_of: dict[int, set[float]] = {}
+                for sample in scored:
+                    rewards_of.setdefault(sample.group_id, set()).add(sample.reward)
+                for sample in scored:
+                    if len(rewards_of[sample.group_id]) == 1:
+                        sample.filter_reason = "zero_std_group"
+        return AdvantageResult(
+            kept=[s for s in samples if s.filter_reason is None],
+            filtered=Counter(s.filter_reason for s in samples if s.filter_reason is not None),
+        )

@@ -1,8 +1,9 @@
 """The training engine: a policy model, its optimizer, micro-batched updates and checkpoints.
 
-It knows nothing about RL. The caller hands it a loss function that is already normalised by
-*global* counts (tokens or sequences in the whole step), so summing micro-batch losses gives the
-same gradient whatever the micro-batch size.
+It knows nothing about RL. A step is `begin_step`, one `accumulate` per micro-batch (as they
+arrive: the caller may stream them), then `finish_step(grad_scale)`. Losses are sums over the
+micro-batch; `grad_scale` divides by the step's global token (or sequence) count once it is known,
+so the update is the same whatever the micro-batch size or arrival order.
 """
 
 from __future__ import annotations
@@ -50,26 +51,40 @@ class TrainingEngine:
         width = batch.response_width
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
-    def train_step(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over `batch`, accumulated over micro-batches."""
+    def begin_step(self) -> None:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
-        for mb in batch.micro_batches(self.config.micro_batch_size):
-            logprobs, entropy = token_logprobs(
-                self.model, mb, self.temperature, with_entropy=True, bf16=self.config.autocast_bf16
-            )
-            loss, metrics = loss_fn(mb, logprobs, entropy)
-            loss.backward()
-            for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value
+
+    def accumulate(self, micro_batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
+        """Forward and backward one micro-batch; gradients add up until `finish_step`."""
+        logprobs, entropy = token_logprobs(
+            self.model, micro_batch, self.temperature, with_entropy=True, bf16=self.config.autocast_bf16
+        )
+        loss, metrics = loss_fn(micro_batch, logprobs, entropy)
+        loss.backward()
+        return metrics
+
+    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        """Scale the accumulated gradients, clip, and take the optimizer step."""
+        if grad_scale != 1.0:
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(grad_scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        totals["lr"] = self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        totals["grad_norm"] = float(grad_norm)
-        return totals
+        return {"lr": lr, "grad_norm": float(grad_norm)}
+
+    def train_step(self, batch: TokenBatch, loss_fn: LossFn, grad_scale: float = 1.0) -> dict[str, float]:
+        """One optimizer step over a batch that is all here, accumulated over micro-batches."""
+        self.begin_step()
+        totals: dict[str, float] = {}
+        for mb in batch.micro_batches(self.config.micro_batch_size):
+            for key, value in self.accumulate(mb, loss_fn).items():
+                totals[key] = totals.get(key, 0.0) + value
+        return {**totals, **self.finish_step(grad_scale)}
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The current weights, detached, for publishing to generation engines."""

@@ -1,0 +1,1 @@
+"""Benchmarks (`rlx bench ...`): side-by-side measurements that print ratios; not tests."""

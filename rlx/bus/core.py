@@ -1,0 +1,150 @@
+"""The bus index: which rows exist, which fields each has, and which tasks consumed them.
+
+Pure Python and synchronous, so its rules are testable without Ray. Field values are opaque to
+the index: the Ray-backed bus stores object-store references here, an in-process bus the values.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlx.bus.samplers import Candidate, Sampler, SequentialSampler
+
+
+class BusFull(Exception):
+    """No room for new rows; the producer should wait (back-pressure)."""
+
+
+class BusTimeout(TimeoutError):
+    """A bus wait ran out; the message names the task, the missing fields and how many rows were ready."""
+
+
+@dataclass
+class Row:
+    row_id: int
+    group_id: int
+    num_tokens: int
+    values: dict[str, Any] = field(default_factory=dict)
+    consumed_by: set[str] = field(default_factory=set)
+    created_at: float = field(default_factory=time.monotonic)
+
+
+class BusIndex:
+    def __init__(self, capacity: int = 100_000) -> None:
+        if capacity < 1:
+            raise ValueError("bus capacity must be >= 1")
+        self.capacity = capacity
+        self.rows: dict[int, Row] = {}
+        self.next_row_id = 0
+        self.stats: Counter = Counter()
+
+    # -- writing ---------------------------------------------------------------------------------
+    def add_rows(self, values: dict[str, list[Any]], group_ids: list[int], num_tokens: list[int]) -> list[int]:
+        """New rows with their first fields; raises BusFull if they do not fit."""
+        count = len(group_ids)
+        _check_columns(values, count)
+        if len(num_tokens) != count:
+            raise ValueError(f"num_tokens has {len(num_tokens)} entries for {count} rows")
+        if len(self.rows) + count > self.capacity:
+            raise BusFull(f"bus holds {len(self.rows)} of {self.capacity} rows; {count} more do not fit")
+        row_ids = list(range(self.next_row_id, self.next_row_id + count))
+        self.next_row_id += count
+        for i, row_id in enumerate(row_ids):
+            self.rows[row_id] = Row(row_id, group_ids[i], num_tokens[i], {k: v[i] for k, v in values.items()})
+        self.stats["rows_added"] += count
+        return row_ids
+
+    def add_fields(self, row_ids: list[int], values: dict[str, list[Any]]) -> None:
+        """Add (or overwrite) fields of existing rows."""
+        _check_columns(values, len(row_ids))
+        missing = [r for r in row_ids if r not in self.rows]
+        if missing:
+            raise KeyError(f"rows {missing[:5]} are not in the bus (cleared, or never added)")
+        for i, row_id in enumerate(row_ids):
+            self.rows[row_id].values.update({k: v[i] for k, v in values.items()})
+
+    # -- reading ---------------------------------------------------------------------------------
+    def ready(self, task: str, fields: list[str]) -> list[Candidate]:
+        """Rows that have every field in `fields` and that `task` has not consumed, oldest first."""
+        return [
+            Candidate(r.row_id, r.group_id, r.num_tokens)
+            for r in self.rows.values()
+            if task not in r.consumed_by and all(f in r.values for f in fields)
+        ]
+
+    def take(
+        self, task: str, fields: list[str], batch_size: int, sampler: Sampler | None = None, partial: bool = False
+    ) -> list[int]:
+        """Pick rows with the sampler and mark them consumed by `task`; [] when none qualify yet."""
+        chosen = (sampler or SequentialSampler()).select(self.ready(task, fields), batch_size, partial)
+        for row_id in chosen:
+            self.rows[row_id].consumed_by.add(task)
+        self.stats[f"taken:{task}"] += len(chosen)
+        return chosen
+
+    def values(self, row_ids: list[int], fields: list[str]) -> dict[str, list[Any]]:
+        return {f: [self.rows[r].values[f] for r in row_ids] for f in fields}
+
+    def release(self, task: str, row_ids: list[int]) -> None:
+        """Give rows back to `task` (a consumer died before finishing them)."""
+        for row_id in row_ids:
+            if row_id in self.rows:
+                self.rows[row_id].consumed_by.discard(task)
+
+    def missing_fields(self, task: str, fields: list[str]) -> dict[str, int]:
+        """For a timeout message: per field, how many unconsumed rows still lack it."""
+        pending = [r for r in self.rows.values() if task not in r.consumed_by]
+        return {f: sum(f not in r.values for r in pending) for f in fields if any(f not in r.values for r in pending)}
+
+    def timeout_message(self, task: str, fields: list[str], batch_size: int, waited: float | None) -> str:
+        ready = len(self.ready(task, fields))
+        return (f"task {task!r} waited {waited}s for {batch_size} rows with fields {fields}: {ready} ready; "
+                f"unconsumed rows still missing each field: {self.missing_fields(task, fields)}")
+
+    # -- housekeeping ----------------------------------------------------------------------------
+    def clear(self, row_ids: list[int]) -> list[Any]:
+        """Drop rows; returns their values so the caller can free the storage behind them."""
+        dropped = [v for r in row_ids if r in self.rows for v in self.rows.pop(r).values.values()]
+        self.stats["rows_cleared"] += len(row_ids)
+        return dropped
+
+    def clear_consumed(self, tasks: list[str]) -> list[int]:
+        """Drop rows every task in `tasks` has consumed; returns their ids."""
+        done = [r.row_id for r in self.rows.values() if set(tasks) <= r.consumed_by]
+        self.clear(done)
+        return done
+
+    def metrics(self) -> dict[str, float]:
+        now = time.monotonic()
+        ages = [now - r.created_at for r in self.rows.values()]
+        return {
+            "bus_rows": float(len(self.rows)),
+            "bus_capacity": float(self.capacity),
+            "bus_oldest_row_age_s": max(ages, default=0.0),
+            **{f"bus_{k}": float(v) for k, v in self.stats.items()},
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything needed to rebuild the index (values included, as stored)."""
+        return {
+            "capacity": self.capacity,
+            "next_row_id": self.next_row_id,
+            "rows": [(r.row_id, r.group_id, r.num_tokens, dict(r.values), sorted(r.consumed_by)) for r in self.rows.values()],
+        }
+
+    @classmethod
+    def restore(cls, state: dict[str, Any]) -> BusIndex:
+        index = cls(state["capacity"])
+        index.next_row_id = state["next_row_id"]
+        for row_id, group_id, num_tokens, values, consumed in state["rows"]:
+            index.rows[row_id] = Row(row_id, group_id, num_tokens, values, set(consumed))
+        return index
+
+
+def _check_columns(values: dict[str, list[Any]], count: int) -> None:
+    wrong = {k: len(v) for k, v in values.items() if len(v) != count}
+    if wrong:
+        raise ValueError(f"every field needs {count} values; got {wrong}")

@@ -1,0 +1,80 @@
+"""An in-process bus with the same API as the Ray bus: for colocated mode and for tests.
+
+Values stay in this process; a condition variable makes `get` wait for producers on other threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from rlx.bus.core import BusFull, BusIndex, BusTimeout
+from rlx.bus.samplers import SamplerSpec, make_sampler
+
+
+class LocalBus:
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.index = BusIndex(capacity)
+        self.changed = threading.Condition()
+        self.wait_seconds: dict[str, float] = {}
+
+    def _wait_until(self, attempt: Callable[[], Any], timeout: float | None, describe: Callable[[], str]) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.changed:
+            while True:
+                result = attempt()
+                if result:
+                    self.changed.notify_all()
+                    return result
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise BusTimeout(describe())
+                self.changed.wait(remaining)
+
+    def put(self, values: dict[str, list], group_ids: list[int], num_tokens: list[int] | None = None,
+            timeout: float | None = None) -> list[int]:
+        tokens = num_tokens if num_tokens is not None else [0] * len(group_ids)
+
+        def attempt():
+            try:
+                return self.index.add_rows(values, group_ids, tokens)
+            except BusFull:
+                return None
+
+        return self._wait_until(attempt, timeout, lambda: f"put of {len(group_ids)} rows waited {timeout}s for "
+                                f"room: bus holds {len(self.index.rows)} of {self.index.capacity} rows")
+
+    def put_fields(self, row_ids: list[int], values: dict[str, list]) -> None:
+        with self.changed:
+            self.index.add_fields(row_ids, values)
+            self.changed.notify_all()
+
+    def get(self, task: str, fields: list[str], batch_size: int, timeout: float | None = None,
+            sampler: SamplerSpec | None = None, partial: bool = False) -> tuple[list[int], dict[str, list]]:
+        chooser, started = make_sampler(sampler), time.monotonic()
+        row_ids = self._wait_until(lambda: self.index.take(task, fields, batch_size, chooser, partial), timeout,
+                                   lambda: self.index.timeout_message(task, fields, batch_size, timeout))
+        with self.changed:
+            self.wait_seconds[task] = self.wait_seconds.get(task, 0.0) + time.monotonic() - started
+            return row_ids, self.index.values(row_ids, fields)
+
+    def release(self, task: str, row_ids: list[int]) -> None:
+        with self.changed:
+            self.index.release(task, row_ids)
+            self.changed.notify_all()
+
+    def clear(self, row_ids: list[int]) -> None:
+        with self.changed:
+            self.index.clear(row_ids)
+            self.changed.notify_all()
+
+    def clear_consumed(self, tasks: list[str]) -> list[int]:
+        with self.changed:
+            done = self.index.clear_consumed(tasks)
+            self.changed.notify_all()
+            return done
+
+    def metrics(self) -> dict[str, float]:
+        with self.changed:
+            return {**self.index.metrics(), **{f"bus_wait_s:{k}": v for k, v in self.wait_seconds.items()}}

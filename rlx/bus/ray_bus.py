@@ -1,0 +1,152 @@
+"""The data bus on Ray: values in the object store, the index in one async actor.
+
+A `put` stores each call's columns as one object (one `ray.put`) and sends the index only
+references. Ray makes the putting process the object's owner (Ray 2.56 removed `_owner`), so rows
+whose producer dies are lost with it; the index reports them as lost rather than hanging. A `get` waits in the actor until
+its sampler is satisfied, then hands back references that the consumer resolves in one `ray.get`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import ray
+
+from rlx.bus.core import BusFull, BusIndex, BusTimeout
+from rlx.bus.samplers import SamplerSpec, make_sampler
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class BusActor:
+    def __init__(self, capacity: int) -> None:
+        self.index = BusIndex(capacity)
+        self.changed = asyncio.Condition()
+        self.wait_seconds: dict[str, float] = {}
+
+    async def _wait_until(self, attempt, timeout: float | None, describe) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        async with self.changed:
+            while True:
+                result = attempt()
+                if result:
+                    return result
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise BusTimeout(describe())
+                try:
+                    await asyncio.wait_for(self.changed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    continue
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def add_rows(self, values: dict[str, list], group_ids: list[int], num_tokens: list[int],
+                       timeout: float | None) -> list[int]:
+        def attempt():
+            try:
+                return self.index.add_rows(values, group_ids, num_tokens)
+            except BusFull:
+                return None
+
+        row_ids = await self._wait_until(
+            attempt, timeout,
+            lambda: f"put of {len(group_ids)} rows waited {timeout}s for room: bus holds "
+                    f"{len(self.index.rows)} of {self.index.capacity} rows (consumers are behind)")
+        await self._notify()
+        return row_ids
+
+    async def add_fields(self, row_ids: list[int], values: dict[str, list]) -> None:
+        self.index.add_fields(row_ids, values)
+        await self._notify()
+
+    async def get(self, task: str, fields: list[str], batch_size: int, sampler: SamplerSpec | None,
+                  timeout: float | None, partial: bool) -> tuple[list[int], dict[str, list]]:
+        chooser = make_sampler(sampler)
+        started = time.monotonic()
+
+        row_ids = await self._wait_until(
+            lambda: self.index.take(task, fields, batch_size, chooser, partial), timeout,
+            lambda: self.index.timeout_message(task, fields, batch_size, timeout))
+        self.wait_seconds[task] = self.wait_seconds.get(task, 0.0) + time.monotonic() - started
+        await self._notify()
+        return row_ids, self.index.values(row_ids, fields)
+
+    async def release(self, task: str, row_ids: list[int]) -> None:
+        self.index.release(task, row_ids)
+        await self._notify()
+
+    async def clear(self, row_ids: list[int]) -> None:
+        self.index.clear(row_ids)
+        await self._notify()
+
+    async def clear_consumed(self, tasks: list[str]) -> list[int]:
+        done = self.index.clear_consumed(tasks)
+        await self._notify()
+        return done
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.index.metrics(), **{f"bus_wait_s:{k}": v for k, v in self.wait_seconds.items()}}
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.index.snapshot()
+
+    async def restore(self, state: dict[str, Any]) -> None:
+        self.index = BusIndex.restore(state)
+        await self._notify()
+
+
+class Bus:
+    """Client handle: cheap to pickle, usable from any process in the Ray cluster."""
+
+    def __init__(self, actor: ray.actor.ActorHandle) -> None:
+        self.actor = actor
+
+    @classmethod
+    def create(cls, capacity: int = 100_000, name: str | None = None) -> Bus:
+        options = {"name": name, "lifetime": None} if name else {}
+        return cls(BusActor.options(**options).remote(capacity))
+
+    def _store(self, values: dict[str, list]) -> dict[str, list]:
+        """One object per call; each row's field becomes (reference, position)."""
+        count = len(next(iter(values.values()))) if values else 0
+        ref = ray.put(values)
+        return {field: [(ref, i) for i in range(count)] for field in values}
+
+    def put(self, values: dict[str, list], group_ids: list[int], num_tokens: list[int] | None = None,
+            timeout: float | None = None) -> list[int]:
+        """New rows. Blocks while the bus is full (back-pressure), up to `timeout` seconds."""
+        tokens = num_tokens if num_tokens is not None else [0] * len(group_ids)
+        try:
+            return ray.get(self.actor.add_rows.remote(self._store(values), group_ids, tokens, timeout))
+        except BusTimeout as exc:
+            raise BusTimeout(str(getattr(exc, "cause", exc))) from None
+
+    def put_fields(self, row_ids: list[int], values: dict[str, list]) -> None:
+        ray.get(self.actor.add_fields.remote(row_ids, self._store(values)))
+
+    def get(self, task: str, fields: list[str], batch_size: int, timeout: float | None = None,
+            sampler: SamplerSpec | None = None, partial: bool = False) -> tuple[list[int], dict[str, list]]:
+        """Rows whose `fields` are all present and that `task` has not consumed; marks them consumed."""
+        try:
+            row_ids, refs = ray.get(self.actor.get.remote(task, fields, batch_size, sampler, timeout, partial))
+        except BusTimeout as exc:  # Ray wraps it with the remote traceback; keep the message plain
+            raise BusTimeout(str(getattr(exc, "cause", exc))) from None
+        unique = list({ref for column in refs.values() for ref, _ in column})
+        resolved = dict(zip(unique, ray.get(unique)))
+        return row_ids, {f: [resolved[ref][f][i] for ref, i in column] for f, column in refs.items()}
+
+    def release(self, task: str, row_ids: list[int]) -> None:
+        ray.get(self.actor.release.remote(task, row_ids))
+
+    def clear(self, row_ids: list[int]) -> None:
+        ray.get(self.actor.clear.remote(row_ids))
+
+    def clear_consumed(self, tasks: list[str]) -> list[int]:
+        return ray.get(self.actor.clear_consumed.remote(tasks))
+
+    def metrics(self) -> dict[str, float]:
+        return ray.get(self.actor.metrics.remote())

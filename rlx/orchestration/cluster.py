@@ -1,0 +1,30 @@
+"""Start (or join) a Ray cluster bound to loopback unless told otherwise."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+
+def start_ray(num_cpus: float | None = None, address: str | None = None) -> None:
+    """A local cluster on 127.0.0.1 by default; `address` joins an existing one."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return
+    # Ray reads this variable itself; it keeps a single-node cluster on the loopback interface.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(
+        num_cpus=num_cpus,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+
+
+def stop_ray() -> None:
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,259 @@
+"""Workers connect a role to the bus: read its input fields, run the role, write its output fields.
+
+The same workers run serially (colocated mode calls `drain`/`train_step` in order) or each on its
+own thread in its own service (async mode calls `run_forever`). Roles stay unaware of either.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from collections import Counter
+from dataclasses import fields as dataclass_fields
+from typing import Any, Callable
+
+from rlx.bus.core import BusTimeout
+from rlx.bus.loader import StreamingDataLoader
+from rlx.data.rows import PromptRow
+from rlx.data.sample import Sample
+from rlx.data.stream import PromptStream
+from rlx.engines.generation.base import SamplingParams
+from rlx.orchestration.staleness import StalenessGate
+from rlx.roles import Actor, Advantages, Reference, Reward, Rollout
+
+SAMPLE_FIELDS = {f.name for f in dataclass_fields(Sample)} - {"uid"}
+ROLLOUT_FIELDS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "behavior_version",
+                  "finish_reason", "response_text", "label", "metadata"]
+REWARD_INPUTS = ["group_id", "response_text", "label", "metadata"]
+ADVANTAGE_INPUTS = ["group_id", "reward", "reward_error"]
+REFERENCE_INPUTS = ["group_id", "prompt_ids", "response_ids", "filter_reason"]
+TRAIN_INPUTS = ["group_id", "prompt_ids", "response_ids", "behavior_version", "finish_reason", "reward",
+                "reward_error", "advantage", "filter_reason"]
+
+
+def to_samples(row_ids: list[int], values: dict[str, list]) -> list[Sample]:
+    names = [name for name in values if name in SAMPLE_FIELDS]
+    return [Sample(uid=row, **{name: values[name][i] for name in names}) for i, row in enumerate(row_ids)]
+
+
+def sample_tokens(sample: Sample) -> int:
+    return len(sample.prompt_ids) + len(sample.response_ids)
+
+
+class Worker(abc.ABC):
+    """Busy/idle accounting plus an optional background loop; `error` holds what killed the loop."""
+
+    poll_timeout_s = 0.2
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.busy_s = 0.0
+        self.started_at = time.monotonic()
+        self.items = 0
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @abc.abstractmethod
+    def work_once(self) -> int:
+        """Do one unit of work if any is ready; return how many items it processed."""
+
+    def drain(self) -> int:
+        """Process everything ready now (colocated mode)."""
+        total = 0
+        while (done := self.work_once()) > 0:
+            total += done
+        return total
+
+    def _timed(self, fn: Callable[[], Any]) -> Any:
+        start = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self.busy_s += time.monotonic() - start
+
+    def run_forever(self) -> None:
+        self.started_at = time.monotonic()
+
+        def loop():
+            try:
+                while not self._stop.is_set():
+                    self.work_once()
+            except Exception as exc:  # surfaced through status() and the service health check
+                self.error = f"{type(exc).__name__}: {exc}"
+
+        self._thread = threading.Thread(target=loop, name=f"rlx-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def status(self) -> dict[str, Any]:
+        elapsed = max(time.monotonic() - self.started_at, 1e-9)
+        return {"name": self.name, "items": self.items, "busy_s": self.busy_s,
+                "busy_fraction": min(1.0, self.busy_s / elapsed), "error": self.error}
+
+
+class RewardWorker(Worker):
+    def __init__(self, role: Reward, bus, batch_size: int = 32) -> None:
+        super().__init__("reward")
+        self.role, self.bus, self.batch_size = role, bus, batch_size
+
+    def work_once(self) -> int:
+        try:
+            rows, values = self.bus.get("reward", REWARD_INPUTS, self.batch_size, self.poll_timeout_s, partial=True)
+        except BusTimeout:
+            return 0
+        samples = self._timed(lambda: self.role.score(to_samples(rows, values)))
+        self.bus.put_fields(rows, {"reward": [s.reward for s in samples],
+                                   "reward_error": [s.reward_error for s in samples]})
+        self.items += len(rows)
+        return len(rows)
+
+
+class AdvantagesWorker(Worker):
+    def __init__(self, role: Advantages, bus, group_size: int, groups_per_batch: int = 8) -> None:
+        super().__init__("advantages")
+        self.role, self.bus = role, bus
+        self.group_size, self.groups_per_batch = group_size, groups_per_batch
+
+    def work_once(self) -> int:
+        try:
+            rows, values = self.bus.get("advantages", ADVANTAGE_INPUTS, self.group_size * self.groups_per_batch,
+                                        self.poll_timeout_s, sampler=("group", self.group_size), partial=True)
+        except BusTimeout:
+            return 0
+        samples = to_samples(rows, values)
+        self._timed(lambda: self.role.compute(samples))
+        self.bus.put_fields(rows, {"advantage": [s.advantage for s in samples],
+                                   "filter_reason": [s.filter_reason for s in samples]})
+        self.items += len(rows)
+        return len(rows)
+
+
+class ReferenceWorker(Worker):
+    def __init__(self, role: Reference, bus, batch_size: int) -> None:
+        super().__init__("reference")
+        self.role, self.bus, self.batch_size = role, bus, batch_size
+
+    def work_once(self) -> int:
+        try:
+            rows, values = self.bus.get("reference", REFERENCE_INPUTS, self.batch_size, self.poll_timeout_s,
+                                        partial=True)
+        except BusTimeout:
+            return 0
+        samples = to_samples(rows, values)
+        trainable = [s for s in samples if s.filter_reason is None]
+        logprobs = iter(self._timed(lambda: self.role.logprobs(trainable)) if trainable else [])
+        self.bus.put_fields(rows, {"ref_logprobs": [next(logprobs) if s.filter_reason is None else None
+                                                    for s in samples]})
+        self.items += len(rows)
+        return len(rows)
+
+
+class RolloutWorker(Worker):
+    """Generates prompt groups under admission control and streams each finished sample to the bus."""
+
+    def __init__(self, role: Rollout, bus, stream: PromptStream, encode: Callable[[PromptRow], list[int]], n: int,
+                 sampling: Callable[[int], SamplingParams], gate: StalenessGate,
+                 trainer_version: Callable[[], int], sync_weights: Callable[[], None], wave_groups: int) -> None:
+        super().__init__("rollout")
+        self.role, self.bus, self.stream, self.encode, self.n = role, bus, stream, encode, n
+        self.sampling, self.gate, self.trainer_version = sampling, gate, trainer_version
+        self.sync_weights, self.wave_groups = sync_weights, wave_groups
+
+    @property
+    def groups_started(self) -> int:
+        """Every prompt taken from the stream starts one group."""
+        return self.stream.position
+
+    def generate(self, num_groups: int) -> int:
+        """Sample `num_groups` new prompt groups, putting each response on the bus as it finishes."""
+        params = self.sampling(self.groups_started)
+        groups = [(index, row, self.encode(row)) for index, row in self.stream.take(num_groups)]
+
+        def produce():
+            count = 0
+            for sample in self.role.generate(groups, self.n, params):
+                self.bus.put({name: [getattr(sample, name)] for name in ROLLOUT_FIELDS}, group_ids=[sample.group_id],
+                             num_tokens=[sample_tokens(sample)])
+                count += 1
+            return count
+
+        produced = self._timed(produce)
+        self.items += produced
+        return produced
+
+    def work_once(self) -> int:
+        self.sync_weights()
+        allowed = self.gate.groups_allowed(self.groups_started, self.trainer_version())
+        if allowed == 0:
+            time.sleep(0.02)  # waiting for the trainer: admission control, not work
+            return 0
+        return self.generate(min(allowed, self.wave_groups))
+
+
+class ActorWorker(Worker):
+    """One optimizer step per `rows_per_step` rows, trained micro-batch by micro-batch as they arrive."""
+
+    def __init__(self, role: Actor, bus, rows_per_step: int, micro_batch_size: int, gate: StalenessGate,
+                 with_reference: bool, timeout_s: float, publish: Callable[[], None]) -> None:
+        super().__init__("actor")
+        self.role, self.bus, self.gate = role, bus, gate
+        self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
+        self.fields = TRAIN_INPUTS + (["ref_logprobs"] if with_reference else [])
+        self.timeout_s, self.publish = timeout_s, publish
+        self.step_metrics: list[dict[str, float]] = []
+
+    def train_step(self) -> dict[str, float]:
+        version = self.role.version
+        loader = StreamingDataLoader(self.bus, "train", self.fields, self.micro_batch_size, self.rows_per_step,
+                                     timeout=self.timeout_s)
+        seen: list[Sample] = []
+        filtered: Counter = Counter()
+        trained = 0
+        self.role.begin_step()
+        for rows, values in loader:
+            samples = to_samples(rows, values)
+            for sample in samples:
+                if sample.filter_reason is None and not self.gate.is_fresh(sample.behavior_version, version):
+                    sample.filter_reason = "stale"
+            seen.extend(samples)
+            trainable = [s for s in samples if s.filter_reason is None]
+            filtered.update(s.filter_reason for s in samples if s.filter_reason is not None)
+            if trainable:
+                refs = [s.ref_logprobs for s in trainable] if "ref_logprobs" in values else None
+                self._timed(lambda: self.role.accumulate(trainable, refs))
+                trained += len(trainable)
+            self.bus.clear(rows)  # training is the last consumer of a row
+        metrics = self._timed(self.role.finish_step)
+        publish_started = time.monotonic()
+        self._timed(self.publish)
+        metrics["time_publish_s"] = time.monotonic() - publish_started
+        metrics.update(batch_metrics(seen, version), trained_samples=float(trained),
+                       **{f"filtered_{reason}": float(count) for reason, count in filtered.items()})
+        self.items += len(seen)
+        self.step_metrics.append(metrics)
+        return metrics
+
+    def work_once(self) -> int:
+        self.train_step()
+        return self.rows_per_step
+
+
+def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
+    """Reward, length and staleness statistics of one step's samples."""
+    lengths = [len(s.response_ids) for s in samples]
+    rewards = [s.reward for s in samples if s.reward_error is None and s.reward is not None]
+    staleness = Counter(trainer_version - s.behavior_version for s in samples)
+    return {
+        "reward_mean": sum(rewards) / max(1, len(rewards)),
+        "reward_failed": float(sum(s.reward_error is not None for s in samples)),
+        "response_length": sum(lengths) / max(1, len(lengths)),
+        "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
+        "staleness_mean": sum(k * v for k, v in staleness.items()) / max(1, len(samples)),
+        **{f"staleness_{k}": float(v) for k, v in sorted(staleness.items())},
+    }

@@ -1,0 +1,93 @@
+"""Property tests of the bus index under random production/consumption interleavings."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from rlx.bus.core import BusFull, BusIndex
+from rlx.bus.samplers import GroupSampler, SequentialSampler, TokenBudgetSampler
+
+GROUP = 3
+TASKS = {"reward": ["response"], "train": ["response", "reward"]}
+
+
+class BusMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bus = BusIndex(capacity=30)
+        self.next_group = 0
+        self.added: set[int] = set()
+        self.taken: dict[str, list[int]] = {task: [] for task in TASKS}
+        self.groups_of: dict[int, int] = {}
+
+    @rule(groups=st.integers(1, 3))
+    def produce(self, groups):
+        group_ids = [self.next_group + g for g in range(groups) for _ in range(GROUP)]
+        try:
+            rows = self.bus.add_rows({"response": [f"r{i}" for i in range(len(group_ids))]}, group_ids,
+                                     [5] * len(group_ids))
+        except BusFull:
+            assert len(self.bus.rows) + len(group_ids) > self.bus.capacity
+            return
+        self.next_group += groups
+        self.added.update(rows)
+        self.groups_of.update(zip(rows, group_ids))
+
+    @rule(data=st.data())
+    def score(self, data):
+        rows = self.bus.take("reward", TASKS["reward"], data.draw(st.integers(1, 4)), SequentialSampler(),
+                             partial=data.draw(st.booleans()))
+        self.taken["reward"].extend(rows)
+        if rows:
+            self.bus.add_fields(rows, {"reward": [1.0] * len(rows)})
+
+    @rule(groups=st.integers(1, 2), partial=st.booleans())
+    def train_groups(self, groups, partial):
+        rows = self.bus.take("train", TASKS["train"], groups * GROUP, GroupSampler(GROUP), partial)
+        per_group: dict[int, int] = {}
+        for row in rows:
+            per_group[self.groups_of[row]] = per_group.get(self.groups_of[row], 0) + 1
+        assert all(count == GROUP for count in per_group.values()), "a group was split"
+        assert set(self.bus.values(rows, ["reward"])["reward"]) <= {1.0}
+        self.taken["train"].extend(rows)
+
+    @rule(budget=st.integers(1, 20))
+    def peek_tokens(self, budget):
+        """Token-budget sampling never exceeds the budget except to return a single row."""
+        ready = self.bus.ready("train", TASKS["train"])
+        chosen = TokenBudgetSampler(budget).select(ready, 100, partial=True)
+        assert len(chosen) <= 1 or 5 * len(chosen) <= budget
+
+    @precondition(lambda self: self.taken["train"])
+    @rule()
+    def clear(self):
+        self.bus.clear_consumed(list(TASKS))
+
+    @invariant()
+    def nothing_twice_nothing_invented(self):
+        for task, rows in self.taken.items():
+            assert len(rows) == len(set(rows)), f"{task} got a row twice"
+            assert set(rows) <= self.added
+
+    @invariant()
+    def nothing_lost(self):
+        """Every added row is either still in the bus or was consumed by every task before clearing."""
+        cleared = self.added - set(self.bus.rows)
+        assert cleared <= set(self.taken["train"]) & set(self.taken["reward"])
+
+    def teardown(self):
+        # drain: every row still in the bus reaches every task exactly once
+        reward_rows = self.bus.take("reward", TASKS["reward"], 10_000, partial=True)
+        if reward_rows:
+            self.bus.add_fields(reward_rows, {"reward": [1.0] * len(reward_rows)})
+        self.taken["reward"].extend(reward_rows)
+        self.taken["train"].extend(self.bus.take("train", TASKS["train"], 9_999, GroupSampler(GROUP),
+                                                 partial=True))
+        for task, rows in self.taken.items():
+            assert sorted(rows) == sorted(self.added), f"{task} missed or repeated rows"
+
+
+TestBusMachine = BusMachine.TestCase
+TestBusMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
