@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -12,10 +13,12 @@ from rlx.errors import UserError
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rlx.orchestration.colocate import run_colocate
-
     config = load_config(args.config, args.overrides)
-    run_dir = run_colocate(config, resume=args.resume, overwrite=args.overwrite)
+    if config.train.mode == "async":
+        from rlx.orchestration.controller import run_async as run
+    else:
+        from rlx.orchestration.colocate import run_colocate as run
+    run_dir = run(config, resume=args.resume, overwrite=args.overwrite)
     print(f"done: {run_dir} (metrics.jsonl, training.png, checkpoints/)")
     return 0
 
@@ -93,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    sys.path.insert(0, os.getcwd())  # `reward.name=my_module:fn` resolves from where rlx runs, like uvicorn
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-file load/save bars drown the training log

@@ -97,9 +97,14 @@ class AlgorithmConfig(Section):
     entropy_coef: float = Field(0.0, ge=0.0)
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     filter_zero_std_groups: bool = Field(True, description="skip groups whose rewards are all equal")
+    behavior_correction: Literal["none", "tis"] = Field(
+        "none", description="off-policy correction against the rollout log-probs (tis: truncated importance sampling)")
+    tis_cap: float = Field(2.0, ge=1.0, description="truncation of the importance weight for tis")
 
 
 class TrainConfig(Section):
+    mode: Literal["colocate", "async"] = "colocate"
+    max_staleness: int = Field(0, ge=0, description="0 = strictly on-policy (async mode)")
     steps: int = Field(40, ge=1)
     lr: float = Field(1e-5, gt=0.0, le=1.0)
     warmup_steps: int = Field(0, ge=0)
@@ -116,9 +121,22 @@ class TrainConfig(Section):
     seed: int = 0
 
 
+class RoleResources(Section):
+    num_cpus: float = Field(0.5, ge=0.0, description="Ray logical CPUs reserved for the role's replica")
+    num_gpus: float = Field(0.0, ge=0.0)
+    threads: int = Field(1, ge=1, description="torch intra-op threads inside the replica")
+
+
 class ResourcesConfig(Section):
     device: Literal["cpu", "cuda"] = "cpu"
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: all cores")
+    ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
+    ray_num_cpus: float = Field(8.0, gt=0, description="logical CPUs of a local Ray cluster")
+    rollout: RoleResources = Field(default_factory=RoleResources)
+    actor: RoleResources = Field(default_factory=RoleResources)
+    reward: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.1))
+    advantages: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.1))
+    reference: RoleResources = Field(default_factory=RoleResources)
 
 
 class LoggingConfig(Section):

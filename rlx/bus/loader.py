@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol
+import time
+from typing import Callable, Iterator, Protocol
 
+from rlx.bus.core import BusTimeout
 from rlx.bus.samplers import SamplerSpec
+
+POLL_S = 0.5
 
 
 class BusLike(Protocol):
@@ -14,15 +18,26 @@ class BusLike(Protocol):
 
 class StreamingDataLoader:
     def __init__(self, bus: BusLike, task: str, fields: list[str], micro_batch_size: int, rows_per_step: int,
-                 timeout: float | None = None, sampler: SamplerSpec | None = None) -> None:
+                 timeout: float | None = None, sampler: SamplerSpec | None = None,
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
         self.bus, self.task, self.fields = bus, task, fields
         self.micro_batch_size, self.rows_per_step = micro_batch_size, rows_per_step
-        self.timeout, self.sampler = timeout, sampler
+        self.timeout, self.sampler, self.should_stop = timeout, sampler, should_stop
+
+    def _next(self, batch_size: int) -> tuple[list[int], dict[str, list]]:
+        """Wait in short polls so a stop request is noticed; give up after `timeout` in total."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            poll = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+            try:
+                return self.bus.get(self.task, self.fields, batch_size, poll, self.sampler)
+            except BusTimeout:
+                if self.should_stop() or (deadline is not None and time.monotonic() >= deadline):
+                    raise
 
     def __iter__(self) -> Iterator[tuple[list[int], dict[str, list]]]:
         remaining = self.rows_per_step
         while remaining > 0:
-            rows, values = self.bus.get(self.task, self.fields, min(self.micro_batch_size, remaining),
-                                        self.timeout, self.sampler)
+            rows, values = self._next(min(self.micro_batch_size, remaining))
             remaining -= len(rows)
             yield rows, values

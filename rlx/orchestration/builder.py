@@ -1,8 +1,13 @@
-"""Build every component a run needs from its RunConfig."""
+"""Build the roles and workers a run needs from its RunConfig, one role at a time.
+
+Each service of async mode builds only its own role (the Rollout loads no optimizer, the Reward no
+model); colocated mode builds them all in one process.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -14,16 +19,68 @@ from rlx.data.prompts import encode_prompt
 from rlx.engines.generation import SamplingParams, build_generation_engine
 from rlx.engines.training import TrainingEngine
 from rlx.models import eos_token_ids, load_pretrained, resolve_model_path
-from rlx.rewards import build_reward
 from rlx.orchestration.staleness import StalenessGate
 from rlx.orchestration.workers import (
     ActorWorker, AdvantagesWorker, ReferenceWorker, RewardWorker, RolloutWorker, Worker,
 )
+from rlx.rewards import build_reward
 from rlx.roles import Actor, Advantages, Reference, Reward, Rollout
+
+
+def prepare_process(config: RunConfig, threads: int | None = None) -> None:
+    threads = threads or config.resources.num_threads
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(config.train.seed)
+
+
+def model_path(config: RunConfig) -> Path:
+    return resolve_model_path(config.model.path)
+
+
+def sampling_params(config: RunConfig, seed: int | None, greedy: bool = False) -> SamplingParams:
+    r = config.rollout
+    return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed)
+
+
+def prompt_encoder(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Callable[[PromptRow], list[int]]:
+    data = config.data
+    return lambda row: encode_prompt(row, tokenizer, data.system_prompt, data.apply_chat_template,
+                                     data.max_prompt_tokens)
+
+
+def build_rollout(config: RunConfig, path: Path) -> Rollout:
+    model, tokenizer = load_pretrained(path, config.model.dtype, config.resources.device)
+    engine = build_generation_engine(
+        config.rollout.engine, model=model, pad_token_id=tokenizer.pad_token_id,
+        eos_token_ids=eos_token_ids(model, tokenizer), tokenizer=tokenizer,
+        max_batch_size=config.rollout.max_batch_size,
+    )
+    return Rollout(engine, tokenizer)
+
+
+def build_actor(config: RunConfig, path: Path) -> Actor:
+    model, tokenizer = load_pretrained(path, "float32", config.resources.device)
+    engine = TrainingEngine(model, tokenizer, config.train, config.rollout.temperature)
+    return Actor(engine, config.algorithm, tokenizer.pad_token_id)
+
+
+def build_reference(config: RunConfig, path: Path) -> Reference | None:
+    if config.algorithm.kl_coef <= 0:
+        return None
+    model, tokenizer = load_pretrained(path, config.model.dtype, config.resources.device)
+    return Reference(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size)
+
+
+def build_reward_role(config: RunConfig) -> Reward:
+    return Reward(build_reward(config.reward.name, config.reward.extract))
 
 
 @dataclass
 class Components:
+    """Every role of a run, in one process (colocated mode)."""
+
     config: RunConfig
     tokenizer: PreTrainedTokenizerBase
     rollout: Rollout
@@ -35,19 +92,10 @@ class Components:
     eval_rows: list[PromptRow]
 
     def encode(self, row: PromptRow) -> list[int]:
-        data = self.config.data
-        return encode_prompt(row, self.tokenizer, data.system_prompt, data.apply_chat_template, data.max_prompt_tokens)
+        return prompt_encoder(self.config, self.tokenizer)(row)
 
     def sampling(self, seed: int | None, greedy: bool = False) -> SamplingParams:
-        r = self.config.rollout
-        return SamplingParams(
-            temperature=0.0 if greedy else r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            stop=tuple(r.stop),
-            seed=seed,
-        )
+        return sampling_params(self.config, seed, greedy)
 
     def sync_weights(self) -> None:
         """Colocated weight hand-off: copy the trainer's weights into the generation engine."""
@@ -55,37 +103,19 @@ class Components:
 
 
 def build_components(config: RunConfig) -> Components:
-    if config.resources.num_threads:
-        torch.set_num_threads(config.resources.num_threads)
-    torch.manual_seed(config.train.seed)
+    prepare_process(config)
     train_rows, eval_rows = load_splits(config.data)  # bad data fails here, before any model loads
-    reward_fn = build_reward(config.reward.name, config.reward.extract)
-    path = resolve_model_path(config.model.path)
-    device = config.resources.device
-    policy, tokenizer = load_pretrained(path, "float32", device)
-    sampler_model, _ = load_pretrained(path, config.model.dtype, device)
-    engine = build_generation_engine(
-        config.rollout.engine,
-        model=sampler_model,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_ids=eos_token_ids(sampler_model, tokenizer),
-        tokenizer=tokenizer,
-        max_batch_size=config.rollout.max_batch_size,
-    )
-    temperature = config.rollout.temperature
-    training = TrainingEngine(policy, tokenizer, config.train, temperature)
-    reference = None
-    if config.algorithm.kl_coef > 0:
-        ref_model, _ = load_pretrained(path, config.model.dtype, device)
-        reference = Reference(ref_model, tokenizer.pad_token_id, temperature, config.train.micro_batch_size)
+    reward = build_reward_role(config)
+    path = model_path(config)
+    rollout = build_rollout(config, path)
     return Components(
         config=config,
-        tokenizer=tokenizer,
-        rollout=Rollout(engine, tokenizer),
-        reward=Reward(reward_fn),
+        tokenizer=rollout.tokenizer,
+        rollout=rollout,
+        reward=reward,
         advantages=Advantages(config.algorithm),
-        actor=Actor(training, config.algorithm, tokenizer.pad_token_id),
-        reference=reference,
+        actor=build_actor(config, path),
+        reference=build_reference(config, path),
         train_stream=PromptStream(train_rows, seed=config.data.seed),
         eval_rows=eval_rows,
     )
@@ -103,18 +133,35 @@ class Workers:
         return [w for w in (self.rollout, self.reward, self.advantages, self.reference, self.actor) if w is not None]
 
 
+def staleness_gate(config: RunConfig, max_staleness: int) -> StalenessGate:
+    return StalenessGate(max_staleness, config.rollout.prompts_per_step)
+
+
+def rollout_worker(config: RunConfig, rollout: Rollout, bus, stream: PromptStream, trainer_version: Callable[[], int],
+                   sync_weights: Callable[[], None], max_staleness: int) -> RolloutWorker:
+    r, seed = config.rollout, config.train.seed
+    return RolloutWorker(rollout, bus, stream, prompt_encoder(config, rollout.tokenizer), r.n,
+                         lambda started: sampling_params(config, seed=seed * 100_003 + started),
+                         staleness_gate(config, max_staleness), trainer_version, sync_weights,
+                         max_batch_size=r.max_batch_size)
+
+
+def actor_worker(config: RunConfig, actor: Actor, bus, with_reference: bool, publish: Callable[[], None],
+                 max_staleness: int, max_steps: int | None = None) -> ActorWorker:
+    r, t = config.rollout, config.train
+    return ActorWorker(actor, bus, r.prompts_per_step * r.n, t.micro_batch_size, staleness_gate(config, max_staleness),
+                       with_reference=with_reference, timeout_s=t.step_timeout_s, publish=publish,
+                       max_steps=max_steps)
+
+
 def build_workers(c: Components, bus, trainer_version: Callable[[], int], sync_weights: Callable[[], None],
                   publish: Callable[[], None], max_staleness: int) -> Workers:
     """Connect the roles of `c` to `bus`; the callables say how weights travel in this mode."""
-    r, t = c.config.rollout, c.config.train
-    gate = StalenessGate(max_staleness, r.prompts_per_step)
+    cfg = c.config
     return Workers(
-        rollout=RolloutWorker(c.rollout, bus, c.train_stream, c.encode, r.n,
-                              lambda started: c.sampling(seed=t.seed * 100_003 + started), gate, trainer_version,
-                              sync_weights, wave_groups=max(1, r.max_batch_size // r.n)),
+        rollout=rollout_worker(cfg, c.rollout, bus, c.train_stream, trainer_version, sync_weights, max_staleness),
         reward=RewardWorker(c.reward, bus),
-        advantages=AdvantagesWorker(c.advantages, bus, group_size=r.n),
-        reference=ReferenceWorker(c.reference, bus, t.micro_batch_size) if c.reference is not None else None,
-        actor=ActorWorker(c.actor, bus, r.prompts_per_step * r.n, t.micro_batch_size, gate,
-                          with_reference=c.reference is not None, timeout_s=t.step_timeout_s, publish=publish),
+        advantages=AdvantagesWorker(c.advantages, bus, group_size=cfg.rollout.n),
+        reference=ReferenceWorker(c.reference, bus, cfg.train.micro_batch_size) if c.reference is not None else None,
+        actor=actor_worker(cfg, c.actor, bus, c.reference is not None, publish, max_staleness),
     )

@@ -16,8 +16,11 @@ def start_ray(num_cpus: float | None = None, address: str | None = None) -> None
         return
     # Ray reads this variable itself; it keeps a single-node cluster on the loopback interface.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # workers import user code (custom rewards) the way the driver does: from the working directory
+    python_path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
     ray.init(
         num_cpus=num_cpus,
+        runtime_env={"env_vars": {"PYTHONPATH": python_path}},
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         log_to_driver=False,

@@ -41,7 +41,7 @@ def train_one_step(workers: Workers) -> dict[str, float]:
     timer = PhaseTimer()
     rollout = workers.rollout
     with timer("rollout"):
-        rollout.generate(rollout.gate.groups_allowed(rollout.groups_started, rollout.trainer_version()))
+        rollout.generate(workers.actor.rows_per_step // rollout.n)
     with timer("reward"):
         workers.reward.drain()
     with timer("advantages"):
@@ -68,6 +68,10 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
     workers = build_workers(c, LocalBus(), trainer_version=lambda: c.actor.version, sync_weights=lambda: None,
                             publish=c.sync_weights, max_staleness=0)
     step, totals = 0, Counter()
+
+    def run_eval() -> dict[str, float]:
+        return evaluate(c.rollout, c.reward, c.eval_rows, c.encode, c.sampling(seed=0, greedy=True))
+
     if resume:
         checkpoint = latest_checkpoint(run_dir)
         state = c.actor.engine.load_checkpoint(checkpoint)
@@ -83,7 +87,7 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
         c.actor.engine.save_checkpoint(checkpoint_path(run_dir, step), state)
 
     if not resume:
-        writer.write(0, evaluate(c))
+        writer.write(0, run_eval())
     eval_every, ckpt_every = config.train.eval_every, config.train.checkpoint_every
     budget = config.train.time_budget_s
     bar = tqdm(total=config.train.steps, initial=step, disable=not config.logging.progress_bar, desc="train")
@@ -98,14 +102,14 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
                           trained_samples=int(metrics["trained_samples"]))
             step += 1
             if eval_every and step % eval_every == 0 and step < config.train.steps:
-                metrics.update(evaluate(c))
+                metrics.update(run_eval())
             metrics.update({f"total_{k}": float(v) for k, v in totals.items()},
                            wall_time_s=time.perf_counter() - started)
             writer.write(step, metrics)
             bar.update(1)
             if ckpt_every and step % ckpt_every == 0:
                 save()
-        final = evaluate(c)
+        final = run_eval()
         final["wall_time_s"] = time.perf_counter() - started
         writer.write(step, final)
         save()

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
-from rlx.orchestration.builder import Components
+from rlx.data.rows import PromptRow
+from rlx.engines.generation.base import SamplingParams
+from rlx.roles import Reward, Rollout
 
 
-def evaluate(c: Components) -> dict[str, float]:
-    if not c.eval_rows:
+def evaluate(rollout: Rollout, reward: Reward, rows: list[PromptRow], encode: Callable[[PromptRow], list[int]],
+             params: SamplingParams) -> dict[str, float]:
+    """Mean score of one greedy response per held-out prompt (accuracy for 0/1 rewards)."""
+    if not rows:
         return {}
     start = time.perf_counter()
-    groups = [(-1 - i, row, c.encode(row)) for i, row in enumerate(c.eval_rows)]
-    samples = c.reward.score(list(c.rollout.generate(groups, 1, c.sampling(seed=0, greedy=True))))
-    scores = [s.reward for s in samples]
+    groups = [(-1 - i, row, encode(row)) for i, row in enumerate(rows)]
+    samples = reward.score(list(rollout.generate(groups, 1, params)))
     return {
-        "eval_accuracy": sum(scores) / len(scores),
+        "eval_accuracy": sum(s.reward for s in samples) / len(samples),
         "eval_reward_failed": float(sum(s.reward_error is not None for s in samples)),
         "eval_response_length": sum(len(s.response_ids) for s in samples) / len(samples),
         "time_eval_s": time.perf_counter() - start,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import time
 from collections import Counter
 from dataclasses import fields as dataclass_fields
@@ -21,6 +22,7 @@ from rlx.data.stream import PromptStream
 from rlx.engines.generation.base import SamplingParams
 from rlx.orchestration.staleness import StalenessGate
 from rlx.roles import Actor, Advantages, Reference, Reward, Rollout
+from rlx.roles.rollout import Group
 
 SAMPLE_FIELDS = {f.name for f in dataclass_fields(Sample)} - {"uid"}
 ROLLOUT_FIELDS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "behavior_version",
@@ -28,7 +30,7 @@ ROLLOUT_FIELDS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", 
 REWARD_INPUTS = ["group_id", "response_text", "label", "metadata"]
 ADVANTAGE_INPUTS = ["group_id", "reward", "reward_error"]
 REFERENCE_INPUTS = ["group_id", "prompt_ids", "response_ids", "filter_reason"]
-TRAIN_INPUTS = ["group_id", "prompt_ids", "response_ids", "behavior_version", "finish_reason", "reward",
+TRAIN_INPUTS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "behavior_version", "finish_reason", "reward",
                 "reward_error", "advantage", "filter_reason"]
 
 
@@ -60,8 +62,8 @@ class Worker(abc.ABC):
         """Do one unit of work if any is ready; return how many items it processed."""
 
     def drain(self) -> int:
-        """Process everything ready now (colocated mode)."""
-        total = 0
+        """Process everything ready now, without waiting for more (colocated mode)."""
+        total, self.poll_timeout_s = 0, 0.0
         while (done := self.work_once()) > 0:
             total += done
         return total
@@ -98,20 +100,41 @@ class Worker(abc.ABC):
 
 
 class RewardWorker(Worker):
-    def __init__(self, role: Reward, bus, batch_size: int = 32) -> None:
+    """Scores samples concurrently and writes each reward as soon as it is known, so one slow
+    reward call delays only its own sample (and its group), never the rest of the batch."""
+
+    def __init__(self, role: Reward, bus, batch_size: int = 32, concurrency: int = 8) -> None:
         super().__init__("reward")
         self.role, self.bus, self.batch_size = role, bus, batch_size
+        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rlx-reward")
+        self.in_flight: set[Future] = set()
+
+    def _score_one(self, row: int, sample: Sample) -> None:
+        self._timed(lambda: self.role.score([sample]))
+        self.bus.put_fields([row], {"reward": [sample.reward], "reward_error": [sample.reward_error]})
+        self.items += 1
 
     def work_once(self) -> int:
+        """Hand newly ready rows to the pool; return how many finished since the last call."""
+        for future in [f for f in self.in_flight if f.done()]:
+            self.in_flight.discard(future)
+            future.result()  # a bus failure inside a scoring thread stops this worker too
+        finished_before = self.items
+        room = self.batch_size - len(self.in_flight)
         try:
-            rows, values = self.bus.get("reward", REWARD_INPUTS, self.batch_size, self.poll_timeout_s, partial=True)
+            rows, values = self.bus.get("reward", REWARD_INPUTS, max(room, 1), self.poll_timeout_s, partial=True)
         except BusTimeout:
-            return 0
-        samples = self._timed(lambda: self.role.score(to_samples(rows, values)))
-        self.bus.put_fields(rows, {"reward": [s.reward for s in samples],
-                                   "reward_error": [s.reward_error for s in samples]})
-        self.items += len(rows)
-        return len(rows)
+            rows, values = [], {}
+        for row, sample in zip(rows, to_samples(rows, values)):
+            self.in_flight.add(self.pool.submit(self._score_one, row, sample))
+        if not rows and self.in_flight:
+            wait(self.in_flight, timeout=self.poll_timeout_s, return_when=FIRST_COMPLETED)
+        return self.items - finished_before + len(rows)
+
+    def drain(self) -> int:
+        total = super().drain()
+        wait(self.in_flight)
+        return total
 
 
 class AdvantagesWorker(Worker):
@@ -155,29 +178,50 @@ class ReferenceWorker(Worker):
 
 
 class RolloutWorker(Worker):
-    """Generates prompt groups under admission control and streams each finished sample to the bus."""
+    """Generates prompt groups under admission control and streams each finished sample to the bus.
+
+    In async mode one `work_once` is a long continuous-batching stream: whenever batch slots free
+    up, new groups join as far as the staleness gate allows, and newer weights are loaded between
+    decode steps.
+    """
+
+    refresh_every_steps = 4
 
     def __init__(self, role: Rollout, bus, stream: PromptStream, encode: Callable[[PromptRow], list[int]], n: int,
                  sampling: Callable[[int], SamplingParams], gate: StalenessGate,
-                 trainer_version: Callable[[], int], sync_weights: Callable[[], None], wave_groups: int) -> None:
+                 trainer_version: Callable[[], int], sync_weights: Callable[[], None], max_batch_size: int) -> None:
         super().__init__("rollout")
         self.role, self.bus, self.stream, self.encode, self.n = role, bus, stream, encode, n
         self.sampling, self.gate, self.trainer_version = sampling, gate, trainer_version
-        self.sync_weights, self.wave_groups = sync_weights, wave_groups
+        self.sync_weights, self.max_batch_size = sync_weights, max_batch_size
+        self._version, self._steps = 0, 0
 
     @property
     def groups_started(self) -> int:
         """Every prompt taken from the stream starts one group."""
         return self.stream.position
 
-    def generate(self, num_groups: int) -> int:
-        """Sample `num_groups` new prompt groups, putting each response on the bus as it finishes."""
-        params = self.sampling(self.groups_started)
-        groups = [(index, row, self.encode(row)) for index, row in self.stream.take(num_groups)]
+    def _refresh(self) -> None:
+        self.sync_weights()
+        self._version = self.trainer_version()
 
-        def produce():
+    def _between_steps(self) -> None:
+        self._steps += 1
+        if self._steps % self.refresh_every_steps == 0:
+            self._refresh()
+
+    def admit(self, max_groups: int) -> list[Group]:
+        """Up to `max_groups` new groups, as many as the staleness gate allows now."""
+        count = min(max_groups, self.gate.groups_allowed(self.groups_started, self._version))
+        return [(index, row, self.encode(row)) for index, row in self.stream.take(count)]
+
+    def _produce(self, groups: list[Group], continuous: bool) -> int:
+        params = self.sampling(self.groups_started - len(groups))
+
+        def produce() -> int:
             count = 0
-            for sample in self.role.generate(groups, self.n, params):
+            for sample in self.role.generate(groups, self.n, params, more_groups=self.admit if continuous else None,
+                                             between_steps=self._between_steps if continuous else None):
                 self.bus.put({name: [getattr(sample, name)] for name in ROLLOUT_FIELDS}, group_ids=[sample.group_id],
                              num_tokens=[sample_tokens(sample)])
                 count += 1
@@ -187,31 +231,38 @@ class RolloutWorker(Worker):
         self.items += produced
         return produced
 
+    def generate(self, num_groups: int) -> int:
+        """Colocated mode: sample exactly `num_groups` new groups (admission is the caller's business)."""
+        groups = [(index, row, self.encode(row)) for index, row in self.stream.take(num_groups)]
+        return self._produce(groups, continuous=False)
+
     def work_once(self) -> int:
-        self.sync_weights()
-        allowed = self.gate.groups_allowed(self.groups_started, self.trainer_version())
-        if allowed == 0:
+        self._refresh()
+        groups = self.admit(max(1, self.max_batch_size // self.n))
+        if not groups:
             time.sleep(0.02)  # waiting for the trainer: admission control, not work
             return 0
-        return self.generate(min(allowed, self.wave_groups))
+        return self._produce(groups, continuous=True)
 
 
 class ActorWorker(Worker):
     """One optimizer step per `rows_per_step` rows, trained micro-batch by micro-batch as they arrive."""
 
     def __init__(self, role: Actor, bus, rows_per_step: int, micro_batch_size: int, gate: StalenessGate,
-                 with_reference: bool, timeout_s: float, publish: Callable[[], None]) -> None:
+                 with_reference: bool, timeout_s: float, publish: Callable[[], None],
+                 max_steps: int | None = None) -> None:
         super().__init__("actor")
         self.role, self.bus, self.gate = role, bus, gate
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
         self.fields = TRAIN_INPUTS + (["ref_logprobs"] if with_reference else [])
-        self.timeout_s, self.publish = timeout_s, publish
-        self.step_metrics: list[dict[str, float]] = []
+        self.timeout_s, self.publish, self.max_steps = timeout_s, publish, max_steps
+        self.unreported: list[dict[str, float]] = []
+        self.lock = threading.Lock()  # a checkpoint never sees half a step
 
     def train_step(self) -> dict[str, float]:
         version = self.role.version
         loader = StreamingDataLoader(self.bus, "train", self.fields, self.micro_batch_size, self.rows_per_step,
-                                     timeout=self.timeout_s)
+                                     timeout=self.timeout_s, should_stop=self._stop.is_set)
         seen: list[Sample] = []
         filtered: Counter = Counter()
         trained = 0
@@ -236,12 +287,27 @@ class ActorWorker(Worker):
         metrics.update(batch_metrics(seen, version), trained_samples=float(trained),
                        **{f"filtered_{reason}": float(count) for reason, count in filtered.items()})
         self.items += len(seen)
-        self.step_metrics.append(metrics)
+        self.unreported.append(metrics)
         return metrics
 
     def work_once(self) -> int:
-        self.train_step()
+        if self.max_steps is not None and self.role.version >= self.max_steps:
+            time.sleep(0.05)
+            return 0
+        with self.lock:
+            self.train_step()
         return self.rows_per_step
+
+    def status(self) -> dict[str, Any]:
+        """Includes the metrics of steps finished since the last call (each reported once)."""
+        reported, self.unreported = self.unreported, []
+        return {**super().status(), "version": self.role.version, "steps": reported}
+
+    def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> str:
+        from pathlib import Path
+
+        with self.lock:
+            return str(self.role.engine.save_checkpoint(Path(directory), extra_state))
 
 
 def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:

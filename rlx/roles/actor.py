@@ -36,6 +36,8 @@ class Actor:
     def accumulate(self, samples: list[Sample], ref_logprobs: list[list[float]] | None = None) -> None:
         """Forward and backward one micro-batch."""
         per_token = {"advantages": [[s.advantage] * len(s.response_ids) for s in samples]}
+        if self.config.behavior_correction == "tis":
+            per_token["rollout_logprobs"] = [s.rollout_logprobs for s in samples]
         if ref_logprobs is not None:
             per_token["ref_logprobs"] = ref_logprobs
         batch = samples_to_batch(samples, self.pad_token_id, per_token)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from typing import Callable, Iterator
 
 from transformers import PreTrainedTokenizerBase
 
 from rlx.data.rows import PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import GenerationEngine, GenerationRequest, SamplingParams
+
+
+Group = tuple[int, PromptRow, list[int]]  # (group id, prompt row, prompt token ids)
 
 
 class Rollout:
@@ -19,17 +22,34 @@ class Rollout:
         self._uids = itertools.count()
 
     def generate(
-        self, groups: list[tuple[int, PromptRow, list[int]]], n: int, params: SamplingParams
+        self,
+        groups: list[Group],
+        n: int,
+        params: SamplingParams,
+        more_groups: Callable[[int], list[Group]] | None = None,
+        between_steps: Callable[[], None] | None = None,
     ) -> Iterator[Sample]:
-        """`groups` holds (group_id, row, prompt_ids); each is sampled `n` times."""
-        requests, owners = [], {}
-        for group_id, row, prompt_ids in groups:
-            for _ in range(n):
-                uid = next(self._uids)
-                requests.append(GenerationRequest(request_id=uid, prompt_ids=prompt_ids))
-                owners[uid] = (group_id, row)
-        for result in self.engine.stream(requests, params):
-            group_id, row = owners[result.request_id]
+        """Sample each group `n` times; yield every Sample as soon as it finishes.
+
+        `more_groups(max_groups)` lets the engine pull new groups into free batch slots
+        (continuous batching across steps in async mode).
+        """
+        owners: dict[int, tuple[int, PromptRow]] = {}
+
+        def requests_for(new_groups: list[Group]) -> list[GenerationRequest]:
+            out = []
+            for group_id, row, prompt_ids in new_groups:
+                for _ in range(n):
+                    uid = next(self._uids)
+                    out.append(GenerationRequest(request_id=uid, prompt_ids=prompt_ids))
+                    owners[uid] = (group_id, row)
+            return out
+
+        refill = None
+        if more_groups is not None:
+            refill = lambda free_slots: requests_for(more_groups(free_slots // n))  # noqa: E731
+        for result in self.engine.stream(requests_for(groups), params, refill=refill, between_steps=between_steps):
+            group_id, row = owners.pop(result.request_id)
             yield Sample(
                 uid=result.request_id,
                 group_id=group_id,

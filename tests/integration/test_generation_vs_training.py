@@ -91,3 +91,29 @@ def test_seeded_sampling_is_reproducible_and_honours_max_tokens(tiny):
     assert [r.response_ids for r in first] == [r.response_ids for r in second]
     assert all(len(r.response_ids) <= 7 for r in first)
     assert all(r.finish_reason in ("stop", "length") for r in first)
+
+
+def test_continuous_batching_refills_slots_without_changing_results(tiny):
+    """Rows that join a running batch (merged, left-padded caches) decode exactly as if alone."""
+    model, tokenizer = tiny
+    prompts = ["go", "a much longer prompt here", "x", "Q: 12+30=", "zz top", "b", "hello world!"]
+    requests = _requests(tokenizer, prompts)
+    free = _engine(model, tokenizer).generate(requests, SamplingParams(0.0, max_new_tokens=12))
+    stop = (free[0].response_ids[1], free[3].response_ids[4])
+    params = SamplingParams(0.0, max_new_tokens=12, stop_token_ids=stop)
+    alone = [_engine(model, tokenizer).generate([r], params)[0] for r in requests]
+
+    engine = _engine(model, tokenizer, batch=3)
+    waiting = list(requests[2:])
+    asked = []
+
+    def refill(slots):
+        asked.append(slots)
+        taken, waiting[:] = waiting[:slots], waiting[slots:]
+        return taken
+
+    streamed = {r.request_id: r for r in engine.stream(requests[:2], params, refill=refill)}
+    assert sorted(streamed) == list(range(len(prompts)))
+    assert [streamed[i].response_ids for i in range(len(prompts))] == [r.response_ids for r in alone]
+    assert len(asked) > 1, "free slots must be refilled while the batch is running"
+    assert _max_logprob_gap(model, tokenizer, [streamed[i] for i in range(len(prompts))], 1.0) < 1e-4

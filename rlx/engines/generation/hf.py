@@ -1,13 +1,16 @@
-"""The built-in `hf` generation engine: batched sampling on any transformers causal LM.
+"""The built-in `hf` generation engine: continuous batching on any transformers causal LM.
 
-It keeps one KV cache per wave of up to `max_batch_size` prompts, drops finished rows from the
-cache as they finish (so a long tail decodes a shrinking batch), and yields each finished sample at
-once so callers can stream it onward.
+Up to `max_batch_size` sequences decode together in one KV cache. A finished row leaves the cache
+at once and its result is yielded at once (callers stream it onward); free slots are refilled with
+waiting requests, prefilled on their own and merged into the running cache, so a long tail never
+leaves the batch half empty while there is work to do.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -47,6 +50,54 @@ def sample_next(
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def _left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+@dataclass
+class _Row:
+    request: GenerationRequest
+    version: int
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Running:
+    """The decoding batch: one KV cache, and per row its mask, next position and next-token logits."""
+
+    cache: DynamicCache
+    attention: torch.Tensor  # [B, L], left-padded, aligned with the cache
+    next_position: torch.Tensor  # [B, 1]
+    logits: torch.Tensor  # [B, V] for the token each row samples next
+    rows: list[_Row]
+
+    def select(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, dtype=torch.long, device=self.attention.device)
+        self.cache.batch_select_indices(index)
+        self.attention, self.next_position = self.attention[index], self.next_position[index]
+        self.logits, self.rows = self.logits[index], [self.rows[i] for i in keep]
+
+    def merge(self, other: _Running) -> None:
+        """Append `other`'s rows; the shorter cache is left-padded (masked) to the longer length."""
+        length = max(self.attention.shape[1], other.attention.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, length, 2), _left_pad(theirs.keys, length, 2)])
+            mine.values = torch.cat([_left_pad(mine.values, length, 2), _left_pad(theirs.values, length, 2)])
+        self.attention = torch.cat([_left_pad(self.attention, length, 1), _left_pad(other.attention, length, 1)])
+        self.next_position = torch.cat([self.next_position, other.next_position])
+        self.logits = torch.cat([self.logits, other.logits])
+        self.rows += other.rows
+
+
+Refill = Callable[[int], list[GenerationRequest]]
+
+
 class HFGenerationEngine:
     def __init__(
         self,
@@ -68,6 +119,7 @@ class HFGenerationEngine:
         return next(self.model.parameters()).device
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Safe between decode steps: rows in flight keep their cache and continue on the new weights."""
         with torch.no_grad():
             self.model.load_state_dict(state_dict, strict=True)
         self.weight_version = version
@@ -77,12 +129,38 @@ class HFGenerationEngine:
         order = {r.request_id: i for i, r in enumerate(requests)}
         return sorted(self.stream(requests, params), key=lambda res: order[res.request_id])
 
-    def stream(self, requests: list[GenerationRequest], params: SamplingParams) -> Iterator[GenerationResult]:
+    def stream(
+        self,
+        requests: list[GenerationRequest],
+        params: SamplingParams,
+        refill: Refill | None = None,
+        between_steps: Callable[[], None] | None = None,
+    ) -> Iterator[GenerationResult]:
+        """Yield each result as soon as its sequence finishes.
+
+        `refill(free_slots)` may hand over more requests whenever slots are free (async rollout);
+        `between_steps()` runs after every decode step (e.g. to load newer weights).
+        """
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        for start in range(0, len(requests), self.max_batch_size):
-            yield from self._decode_wave(requests[start : start + self.max_batch_size], params, generator)
+        pending = deque(requests)
+        running: _Running | None = None
+        while True:
+            free = self.max_batch_size - (len(running.rows) if running else 0)
+            if refill is not None and free > len(pending):
+                pending.extend(refill(free - len(pending)))
+            if free > 0 and pending:
+                admitted = self._prefill([pending.popleft() for _ in range(min(free, len(pending)))])
+                if running is None:
+                    running = admitted
+                else:
+                    running.merge(admitted)
+            if running is None or not running.rows:
+                return
+            yield from self._decode_step(running, params, generator)
+            if between_steps is not None:
+                between_steps()
 
     def _is_stop(self, token: int, response: list[int], params: SamplingParams) -> bool:
         if token in self.eos_token_ids or token in params.stop_token_ids:
@@ -93,13 +171,11 @@ class HFGenerationEngine:
         return False
 
     @torch.inference_mode()
-    def _decode_wave(
-        self, wave: list[GenerationRequest], params: SamplingParams, generator: torch.Generator | None
-    ) -> Iterator[GenerationResult]:
-        width = max(len(r.prompt_ids) for r in wave)
-        input_ids = torch.full((len(wave), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(wave), width), dtype=torch.long)
-        for row, request in enumerate(wave):  # left padding keeps every row's next token in the last column
+    def _prefill(self, requests: list[GenerationRequest]) -> _Running:
+        width = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, request in enumerate(requests):  # left padding keeps every row's next token in the last column
             input_ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
             attention[row, width - len(request.prompt_ids) :] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
@@ -109,45 +185,45 @@ class HFGenerationEngine:
             input_ids=input_ids, attention_mask=attention, position_ids=positions,
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1]
-        next_position = positions[:, -1:] + 1
-        active = list(range(len(wave)))
-        responses: list[list[int]] = [[] for _ in wave]
-        logprobs: list[list[float]] = [[] for _ in wave]
+        rows = [_Row(request, self.weight_version) for request in requests]
+        return _Running(cache, attention, positions[:, -1:] + 1, logits, rows)
 
-        for _ in range(params.max_new_tokens):
-            tokens, token_logprobs = sample_next(logits, params, generator)
-            keep = []
-            for row, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
-                index = active[row]
-                responses[index].append(token)
-                logprobs[index].append(logprob)
-                if self._is_stop(token, responses[index], params):
-                    yield self._result(wave[index], responses[index], logprobs[index], "stop")
-                else:
-                    keep.append(row)
-            if not keep or len(responses[active[keep[0]]]) >= params.max_new_tokens:
-                break
-            if len(keep) < len(active):
-                keep_index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(keep_index)
-                tokens, attention, next_position = tokens[keep_index], attention[keep_index], next_position[keep_index]
-                active = [active[row] for row in keep]
-            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
-            logits = self.model(
-                input_ids=tokens[:, None], attention_mask=attention, position_ids=next_position,
-                past_key_values=cache, use_cache=True,
-            ).logits[:, -1]
-            next_position = next_position + 1
-        for row in keep:  # the loop always ends by break: these rows ran out of tokens
-            index = active[row]
-            yield self._result(wave[index], responses[index], logprobs[index], "length")
+    @torch.inference_mode()
+    def _decode_step(
+        self, running: _Running, params: SamplingParams, generator: torch.Generator | None
+    ) -> Iterator[GenerationResult]:
+        """Sample one token per row, retire finished rows, and run the model for the others."""
+        tokens, token_logprobs = sample_next(running.logits, params, generator)
+        keep = []
+        for index, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
+            row = running.rows[index]
+            row.response.append(token)
+            row.logprobs.append(logprob)
+            if self._is_stop(token, row.response, params):
+                yield self._result(row, "stop")
+            elif len(row.response) >= params.max_new_tokens:
+                yield self._result(row, "length")
+            else:
+                keep.append(index)
+        if len(keep) < len(running.rows):
+            running.select(keep)
+            tokens = tokens[torch.tensor(keep, dtype=torch.long, device=tokens.device)]
+        if not keep:
+            return
+        running.attention = torch.cat([running.attention, running.attention.new_ones((len(keep), 1))], dim=1)
+        running.logits = self.model(
+            input_ids=tokens[:, None], attention_mask=running.attention, position_ids=running.next_position,
+            past_key_values=running.cache, use_cache=True,
+        ).logits[:, -1]
+        running.next_position = running.next_position + 1
 
-    def _result(self, request: GenerationRequest, response: list[int], logprobs: list[float], reason: str):
+    def _result(self, row: _Row, reason: str) -> GenerationResult:
         return GenerationResult(
-            request_id=request.request_id,
-            prompt_ids=list(request.prompt_ids),
-            response_ids=list(response),
-            logprobs=list(logprobs),
+            request_id=row.request.request_id,
+            prompt_ids=list(row.request.prompt_ids),
+            response_ids=list(row.response),
+            logprobs=list(row.logprobs),
             finish_reason=reason,
-            weight_version=self.weight_version,
+            weight_version=row.version,
+            extra={"last_weight_version": self.weight_version},
         )

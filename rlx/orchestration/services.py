@@ -1,0 +1,77 @@
+"""Role services: the body of each Ray Serve deployment in async mode.
+
+A service builds its one role from the RunConfig, wires it to the bus and the weight store, and
+runs the role's worker loop on a thread. Serve gives it its own process, resources and health
+check; `check_health` fails once the worker loop has died, so Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rlx.bus.ray_bus import Bus
+from rlx.config import RunConfig
+from rlx.data import PromptStream, load_splits
+from rlx.orchestration.builder import (
+    actor_worker, build_actor, build_reference, build_reward_role, build_rollout, model_path, prepare_process,
+    rollout_worker,
+)
+from rlx.orchestration.workers import AdvantagesWorker, ReferenceWorker, RewardWorker, Worker
+from rlx.roles import Advantages
+from rlx.weights.store import WeightStore
+
+
+def _rollout(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
+    rollout = build_rollout(cfg, model_path(cfg))
+    stream = PromptStream(load_splits(cfg.data)[0], seed=cfg.data.seed)
+
+    def sync_weights() -> None:
+        newer = weights.fetch_newer(than=rollout.engine.weight_version)
+        if newer is not None:
+            version, state = newer
+            rollout.load_weights(state, version)
+
+    return rollout_worker(cfg, rollout, bus, stream, weights.version, sync_weights, cfg.train.max_staleness)
+
+
+def _actor(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
+    actor = build_actor(cfg, model_path(cfg))
+    weights.publish(actor.weights(), actor.version)  # version 0: what every engine starts from
+    return actor_worker(cfg, actor, bus, with_reference=cfg.algorithm.kl_coef > 0,
+                        publish=lambda: weights.publish(actor.weights(), actor.version),
+                        max_staleness=cfg.train.max_staleness, max_steps=cfg.train.steps)
+
+
+SERVICE_BUILDERS: dict[str, Callable[[RunConfig, Bus, WeightStore], Worker]] = {
+    "rollout": _rollout,
+    "reward": lambda cfg, bus, weights: RewardWorker(build_reward_role(cfg), bus),
+    "advantages": lambda cfg, bus, weights: AdvantagesWorker(Advantages(cfg.algorithm), bus, cfg.rollout.n),
+    "reference": lambda cfg, bus, weights: ReferenceWorker(build_reference(cfg, model_path(cfg)), bus,
+                                                           cfg.train.micro_batch_size),
+    "actor": _actor,
+}
+
+
+class RoleService:
+    def __init__(self, role: str, config: dict[str, Any], bus: Bus, weights: WeightStore) -> None:
+        cfg = RunConfig.model_validate(config)
+        prepare_process(cfg, threads=getattr(cfg.resources, role).threads)
+        self.role = role
+        self.worker = SERVICE_BUILDERS[role](cfg, bus, weights)
+
+    def start(self) -> None:
+        self.worker.run_forever()
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+    def status(self) -> dict[str, Any]:
+        return self.worker.status()
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run a role-specific method of the worker (e.g. the actor's checkpoint)."""
+        return getattr(self.worker, method)(*args)
+
+    def check_health(self) -> None:
+        if self.worker.error:
+            raise RuntimeError(f"{self.role} worker stopped: {self.worker.error}")

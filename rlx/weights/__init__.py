@@ -1,0 +1,1 @@
+"""Weight hand-off from the trainer to everything that generates or scores."""

@@ -1,0 +1,61 @@
+"""The Ray-backed bus: values through the object store, the index in one actor, real waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from rlx.bus import BusTimeout
+from rlx.bus.ray_bus import Bus
+from rlx.orchestration.cluster import start_ray, stop_ray
+
+
+@pytest.fixture(scope="module")
+def bus():
+    start_ray(num_cpus=4)
+    yield Bus.create(capacity=8)
+    stop_ray()
+
+
+def test_fields_arrive_at_different_times_and_each_task_gets_a_row_once(bus):
+    rows = bus.put({"response_ids": [torch.arange(3), torch.arange(5)]}, group_ids=[0, 0], num_tokens=[3, 5])
+    with pytest.raises(BusTimeout) as timeout:
+        bus.get("train", ["response_ids", "reward"], 2, timeout=0.3)
+    message = str(timeout.value)
+    assert "'train'" in message and "reward" in message and "0 ready" in message and "'reward': 2" in message
+    bus.put_fields(rows, {"reward": [1.0, 0.0]})
+    got, values = bus.get("train", ["response_ids", "reward"], 2, timeout=5)
+    assert got == rows and values["reward"] == [1.0, 0.0]
+    assert torch.equal(values["response_ids"][1], torch.arange(5))
+    other, _ = bus.get("reward", ["response_ids"], 2, timeout=5)  # another task still sees them
+    assert other == rows
+    with pytest.raises(BusTimeout):
+        bus.get("train", ["response_ids", "reward"], 1, timeout=0.2)
+    bus.clear(rows)
+
+
+def test_get_waits_for_a_producer_on_another_thread(bus):
+    def produce_later():
+        time.sleep(0.5)
+        bus.put({"x": [1, 2]}, group_ids=[7, 7])
+
+    thread = threading.Thread(target=produce_later)
+    thread.start()
+    start = time.monotonic()
+    rows, values = bus.get("consumer", ["x"], 2, timeout=10, sampler=("group", 2))
+    thread.join()
+    assert values["x"] == [1, 2] and time.monotonic() - start >= 0.4
+    bus.clear(rows)
+
+
+def test_capacity_gives_back_pressure(bus):
+    rows = bus.put({"x": list(range(8))}, group_ids=list(range(8)))
+    with pytest.raises(BusTimeout, match="room"):
+        bus.put({"x": [9]}, group_ids=[9], timeout=0.3)
+    bus.clear(rows)
+    assert bus.metrics()["bus_rows"] == 0
+    assert ray.is_initialized()
