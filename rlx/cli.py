@@ -62,6 +62,25 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from rlx.bench.report import update_section
+
+    if args.what == "bus":
+        from rlx.bench.bus import format_table, run_bus_benchmark
+
+        table = format_table(run_bus_benchmark(repeats=args.repeats))
+        command = f"rlx bench bus --repeats {args.repeats}"
+    else:
+        from rlx.bench.pipeline import format_table, run_pipeline_benchmark
+
+        table = format_table(run_pipeline_benchmark(Path(args.work_dir), steps=args.steps))
+        command = f"rlx bench pipeline --steps {args.steps}"
+    print(table)
+    update_section(Path(args.out), args.what, command, table)
+    print(f"written to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlx", description="Asynchronous RL post-training for language models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint")
     export.add_argument("out")
     export.set_defaults(func=_export)
+
+    bench = sub.add_parser("bench", help="benchmarks measured side by side; results go to docs/benchmarks.md")
+    bench.add_argument("what", choices=["pipeline", "bus"])
+    bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline)")
+    bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus)")
+    bench.add_argument("--work-dir", default="runs/bench", help="scratch folder for runs and models")
+    bench.add_argument("--out", default="docs/benchmarks.md")
+    bench.set_defaults(func=_bench)
 
     plot = sub.add_parser("plot", help="plot reward and eval accuracy of a run to PNG")
     plot.add_argument("run_dir")

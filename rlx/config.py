@@ -77,6 +77,7 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     max_new_tokens: int = Field(64, ge=1)
     stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end a response")
     max_batch_size: int = Field(64, ge=1, description="sequences decoded together")
 
 

@@ -41,7 +41,8 @@ def model_path(config: RunConfig) -> Path:
 def sampling_params(config: RunConfig, seed: int | None, greedy: bool = False) -> SamplingParams:
     r = config.rollout
     return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed)
+                          max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
+                          stop_token_ids=tuple(r.stop_token_ids), seed=seed)
 
 
 def prompt_encoder(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Callable[[PromptRow], list[int]]:
