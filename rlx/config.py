@@ -98,9 +98,10 @@ class AlgorithmConfig(Section):
     entropy_coef: float = Field(0.0, ge=0.0)
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     filter_zero_std_groups: bool = Field(True, description="skip groups whose rewards are all equal")
-    behavior_correction: Literal["none", "tis"] = Field(
-        "none", description="off-policy correction against the rollout log-probs (tis: truncated importance sampling)")
-    tis_cap: float = Field(2.0, ge=1.0, description="truncation of the importance weight for tis")
+    behavior_correction: Literal["none", "tis", "decoupled"] = Field(
+        "none", description="off-policy correction against the rollout log-probs: tis (truncated importance "
+        "sampling) or decoupled (PPO ratio against ActorFwd's proximal policy, weight proximal/behaviour)")
+    tis_cap: float = Field(2.0, ge=1.0, description="truncation of the importance weight")
 
 
 class TrainConfig(Section):
@@ -138,6 +139,7 @@ class ResourcesConfig(Section):
     reward: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.1))
     advantages: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.1))
     reference: RoleResources = Field(default_factory=RoleResources)
+    actor_fwd: RoleResources = Field(default_factory=RoleResources)
 
 
 class LoggingConfig(Section):

@@ -25,4 +25,5 @@ class Sample:
     reward_error: str | None = None
     advantage: float | None = None
     ref_logprobs: list[float] | None = None
+    old_logprobs: list[float] | None = None  # proximal policy (ActorFwd), for decoupled PPO
     filter_reason: str | None = None  # why the sample is not trained on, if it is not

@@ -21,10 +21,11 @@ from rlx.engines.training import TrainingEngine
 from rlx.models import eos_token_ids, load_pretrained, resolve_model_path
 from rlx.orchestration.staleness import StalenessGate
 from rlx.orchestration.workers import (
-    ActorWorker, AdvantagesWorker, ReferenceWorker, RewardWorker, RolloutWorker, Worker,
+    ACTOR_FWD_INPUTS, REFERENCE_INPUTS, ActorWorker, AdvantagesWorker, LogProbWorker, RewardWorker, RolloutWorker,
+    Worker,
 )
 from rlx.rewards import build_reward
-from rlx.roles import Actor, Advantages, Reference, Reward, Rollout
+from rlx.roles import Actor, ActorFwd, Advantages, Reference, Reward, Rollout
 
 
 def prepare_process(config: RunConfig, threads: int | None = None) -> None:
@@ -72,6 +73,11 @@ def build_reference(config: RunConfig, path: Path) -> Reference | None:
         return None
     model, tokenizer = load_pretrained(path, config.model.dtype, config.resources.device)
     return Reference(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size)
+
+
+def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd:
+    model, tokenizer = load_pretrained(path, "float32", config.resources.device)
+    return ActorFwd(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size)
 
 
 def build_reward_role(config: RunConfig) -> Reward:
@@ -127,7 +133,7 @@ class Workers:
     rollout: RolloutWorker
     reward: RewardWorker
     advantages: AdvantagesWorker
-    reference: ReferenceWorker | None
+    reference: LogProbWorker | None
     actor: ActorWorker
 
     def all(self) -> list[Worker]:
@@ -147,12 +153,22 @@ def rollout_worker(config: RunConfig, rollout: Rollout, bus, stream: PromptStrea
                          max_batch_size=r.max_batch_size)
 
 
-def actor_worker(config: RunConfig, actor: Actor, bus, with_reference: bool, publish: Callable[[], None],
-                 max_staleness: int, max_steps: int | None = None) -> ActorWorker:
+def actor_worker(config: RunConfig, actor: Actor, bus, publish: Callable[[], None], max_staleness: int,
+                 with_actor_fwd: bool = False, max_steps: int | None = None) -> ActorWorker:
     r, t = config.rollout, config.train
+    extra = (["ref_logprobs"] if config.algorithm.kl_coef > 0 else []) + (["old_logprobs"] if with_actor_fwd else [])
     return ActorWorker(actor, bus, r.prompts_per_step * r.n, t.micro_batch_size, staleness_gate(config, max_staleness),
-                       with_reference=with_reference, timeout_s=t.step_timeout_s, publish=publish,
-                       max_steps=max_steps)
+                       extra_fields=extra, timeout_s=t.step_timeout_s, publish=publish, max_steps=max_steps)
+
+
+def reference_worker(config: RunConfig, reference: Reference, bus) -> LogProbWorker:
+    return LogProbWorker("reference", reference, bus, config.train.micro_batch_size, REFERENCE_INPUTS,
+                         "ref_logprobs")
+
+
+def actor_fwd_worker(config: RunConfig, actor_fwd, bus, sync_weights: Callable[[], None]) -> LogProbWorker:
+    return LogProbWorker("actor_fwd", actor_fwd, bus, config.train.micro_batch_size, ACTOR_FWD_INPUTS,
+                         "old_logprobs", before_batch=sync_weights)
 
 
 def build_workers(c: Components, bus, trainer_version: Callable[[], int], sync_weights: Callable[[], None],
@@ -163,6 +179,6 @@ def build_workers(c: Components, bus, trainer_version: Callable[[], int], sync_w
         rollout=rollout_worker(cfg, c.rollout, bus, c.train_stream, trainer_version, sync_weights, max_staleness),
         reward=RewardWorker(c.reward, bus),
         advantages=AdvantagesWorker(c.advantages, bus, group_size=cfg.rollout.n),
-        reference=ReferenceWorker(c.reference, bus, cfg.train.micro_batch_size) if c.reference is not None else None,
-        actor=actor_worker(cfg, c.actor, bus, c.reference is not None, publish, max_staleness),
+        reference=reference_worker(cfg, c.reference, bus) if c.reference is not None else None,
+        actor=actor_worker(cfg, c.actor, bus, publish, max_staleness),
     )

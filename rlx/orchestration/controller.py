@@ -24,7 +24,7 @@ from rlx.orchestration.builder import build_reward_role, build_rollout, model_pa
 from rlx.orchestration.cluster import start_ray, stop_ray
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.run_dir import checkpoint_path, prepare_run_dir
-from rlx.orchestration.services import RoleService
+from rlx.orchestration.services import RoleService, uses_actor_fwd
 from rlx.weights.store import WeightStore
 
 POLL_S = 0.5
@@ -39,6 +39,8 @@ def role_names(config: RunConfig) -> list[str]:
     roles = ["actor", "reward", "advantages"]
     if config.algorithm.kl_coef > 0:
         roles.append("reference")
+    if uses_actor_fwd(config):
+        roles.append("actor_fwd")
     return roles + ["rollout"]
 
 

@@ -13,10 +13,10 @@ from rlx.bus.ray_bus import Bus
 from rlx.config import RunConfig
 from rlx.data import PromptStream, load_splits
 from rlx.orchestration.builder import (
-    actor_worker, build_actor, build_reference, build_reward_role, build_rollout, model_path, prepare_process,
-    rollout_worker,
+    actor_fwd_worker, actor_worker, build_actor, build_actor_fwd, build_reference, build_reward_role, build_rollout,
+    model_path, prepare_process, reference_worker, rollout_worker,
 )
-from rlx.orchestration.workers import AdvantagesWorker, ReferenceWorker, RewardWorker, Worker
+from rlx.orchestration.workers import AdvantagesWorker, RewardWorker, Worker
 from rlx.roles import Advantages
 from rlx.weights.store import WeightStore
 
@@ -37,17 +37,33 @@ def _rollout(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
 def _actor(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
     actor = build_actor(cfg, model_path(cfg))
     weights.publish(actor.weights(), actor.version)  # version 0: what every engine starts from
-    return actor_worker(cfg, actor, bus, with_reference=cfg.algorithm.kl_coef > 0,
-                        publish=lambda: weights.publish(actor.weights(), actor.version),
-                        max_staleness=cfg.train.max_staleness, max_steps=cfg.train.steps)
+    return actor_worker(cfg, actor, bus, publish=lambda: weights.publish(actor.weights(), actor.version),
+                        max_staleness=cfg.train.max_staleness, with_actor_fwd=uses_actor_fwd(cfg),
+                        max_steps=cfg.train.steps)
+
+
+def _actor_fwd(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
+    actor_fwd = build_actor_fwd(cfg, model_path(cfg))
+
+    def sync_weights() -> None:
+        newer = weights.fetch_newer(than=actor_fwd.weight_version)
+        if newer is not None:
+            actor_fwd.load_weights(newer[1], newer[0])
+
+    return actor_fwd_worker(cfg, actor_fwd, bus, sync_weights)
+
+
+def uses_actor_fwd(cfg: RunConfig) -> bool:
+    """Decoupled PPO needs the proximal policy's log-probs from a separate forward pass."""
+    return cfg.algorithm.behavior_correction == "decoupled"
 
 
 SERVICE_BUILDERS: dict[str, Callable[[RunConfig, Bus, WeightStore], Worker]] = {
     "rollout": _rollout,
     "reward": lambda cfg, bus, weights: RewardWorker(build_reward_role(cfg), bus),
     "advantages": lambda cfg, bus, weights: AdvantagesWorker(Advantages(cfg.algorithm), bus, cfg.rollout.n),
-    "reference": lambda cfg, bus, weights: ReferenceWorker(build_reference(cfg, model_path(cfg)), bus,
-                                                           cfg.train.micro_batch_size),
+    "reference": lambda cfg, bus, weights: reference_worker(cfg, build_reference(cfg, model_path(cfg)), bus),
+    "actor_fwd": _actor_fwd,
     "actor": _actor,
 }
 

@@ -29,7 +29,8 @@ ROLLOUT_FIELDS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", 
                   "finish_reason", "response_text", "label", "metadata"]
 REWARD_INPUTS = ["group_id", "response_text", "label", "metadata"]
 ADVANTAGE_INPUTS = ["group_id", "reward", "reward_error"]
-REFERENCE_INPUTS = ["group_id", "prompt_ids", "response_ids", "filter_reason"]
+REFERENCE_INPUTS = ["group_id", "prompt_ids", "response_ids", "filter_reason"]  # skips filtered samples
+ACTOR_FWD_INPUTS = ["group_id", "prompt_ids", "response_ids"]  # starts as soon as a sample exists
 TRAIN_INPUTS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "behavior_version", "finish_reason", "reward",
                 "reward_error", "advantage", "filter_reason"]
 
@@ -157,22 +158,26 @@ class AdvantagesWorker(Worker):
         return len(rows)
 
 
-class ReferenceWorker(Worker):
-    def __init__(self, role: Reference, bus, batch_size: int) -> None:
-        super().__init__("reference")
+class LogProbWorker(Worker):
+    """Forward-only log-probs of each trainable sample's response (Reference, ActorFwd)."""
+
+    def __init__(self, name: str, role: Reference, bus, batch_size: int, inputs: list[str], output: str,
+                 before_batch: Callable[[], None] = lambda: None) -> None:
+        super().__init__(name)
         self.role, self.bus, self.batch_size = role, bus, batch_size
+        self.inputs, self.output, self.before_batch = inputs, output, before_batch
 
     def work_once(self) -> int:
         try:
-            rows, values = self.bus.get("reference", REFERENCE_INPUTS, self.batch_size, self.poll_timeout_s,
-                                        partial=True)
+            rows, values = self.bus.get(self.name, self.inputs, self.batch_size, self.poll_timeout_s, partial=True)
         except BusTimeout:
             return 0
+        self.before_batch()
         samples = to_samples(rows, values)
         trainable = [s for s in samples if s.filter_reason is None]
         logprobs = iter(self._timed(lambda: self.role.logprobs(trainable)) if trainable else [])
-        self.bus.put_fields(rows, {"ref_logprobs": [next(logprobs) if s.filter_reason is None else None
-                                                    for s in samples]})
+        self.bus.put_fields(rows, {self.output: [next(logprobs) if s.filter_reason is None else None
+                                                 for s in samples]})
         self.items += len(rows)
         return len(rows)
 
@@ -249,12 +254,12 @@ class ActorWorker(Worker):
     """One optimizer step per `rows_per_step` rows, trained micro-batch by micro-batch as they arrive."""
 
     def __init__(self, role: Actor, bus, rows_per_step: int, micro_batch_size: int, gate: StalenessGate,
-                 with_reference: bool, timeout_s: float, publish: Callable[[], None],
+                 extra_fields: list[str], timeout_s: float, publish: Callable[[], None],
                  max_steps: int | None = None) -> None:
         super().__init__("actor")
         self.role, self.bus, self.gate = role, bus, gate
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
-        self.fields = TRAIN_INPUTS + (["ref_logprobs"] if with_reference else [])
+        self.fields = TRAIN_INPUTS + extra_fields
         self.timeout_s, self.publish, self.max_steps = timeout_s, publish, max_steps
         self.unreported: list[dict[str, float]] = []
         self.lock = threading.Lock()  # a checkpoint never sees half a step
@@ -276,8 +281,7 @@ class ActorWorker(Worker):
             trainable = [s for s in samples if s.filter_reason is None]
             filtered.update(s.filter_reason for s in samples if s.filter_reason is not None)
             if trainable:
-                refs = [s.ref_logprobs for s in trainable] if "ref_logprobs" in values else None
-                self._timed(lambda: self.role.accumulate(trainable, refs))
+                self._timed(lambda: self.role.accumulate(trainable))
                 trained += len(trainable)
             self.bus.clear(rows)  # training is the last consumer of a row
         metrics = self._timed(self.role.finish_step)

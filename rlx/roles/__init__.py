@@ -3,8 +3,8 @@ they never import Ray Serve and never call each other."""
 
 from rlx.roles.actor import Actor
 from rlx.roles.advantages import Advantages
-from rlx.roles.reference import Reference
+from rlx.roles.reference import ActorFwd, Reference
 from rlx.roles.reward import Reward
 from rlx.roles.rollout import Rollout
 
-__all__ = ["Actor", "Advantages", "Reference", "Reward", "Rollout"]
+__all__ = ["Actor", "ActorFwd", "Advantages", "Reference", "Reward", "Rollout"]

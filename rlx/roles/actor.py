@@ -33,20 +33,25 @@ class Actor:
         self.engine.begin_step()
         self._sums, self._tokens, self._sequences = {}, 0.0, 0.0
 
-    def accumulate(self, samples: list[Sample], ref_logprobs: list[list[float]] | None = None) -> None:
-        """Forward and backward one micro-batch."""
+    def accumulate(self, samples: list[Sample]) -> None:
+        """Forward and backward one micro-batch.
+
+        Samples carry `ref_logprobs` when KL is on and may carry `old_logprobs` (the proximal
+        policy, from ActorFwd); without them the "old" log-probs are the current ones, detached,
+        which is exact for one optimizer step per batch of fresh samples.
+        """
         per_token = {"advantages": [[s.advantage] * len(s.response_ids) for s in samples]}
-        if self.config.behavior_correction == "tis":
+        if self.config.behavior_correction != "none":
             per_token["rollout_logprobs"] = [s.rollout_logprobs for s in samples]
-        if ref_logprobs is not None:
-            per_token["ref_logprobs"] = ref_logprobs
+        if self.config.kl_coef > 0:
+            per_token["ref_logprobs"] = [s.ref_logprobs for s in samples]
+        if all(s.old_logprobs is not None for s in samples):
+            per_token["old_logprobs"] = [s.old_logprobs for s in samples]
         batch = samples_to_batch(samples, self.pad_token_id, per_token)
 
         def loss_fn(mb, logprobs, entropy):
             fields = {k: v.to(logprobs.device) for k, v in mb.per_token.items()}
-            # One optimizer step per batch: the policy that sampled is the one being updated, so the
-            # "old" log-probs are the current ones, detached (ratio 1, surrogate gradient intact).
-            fields["old_logprobs"] = logprobs.detach()
+            fields.setdefault("old_logprobs", logprobs.detach())
             return policy_objective(logprobs, entropy, mb.response_mask.to(logprobs.device), fields, self.config,
                                     1.0, 1.0)
 
@@ -63,13 +68,12 @@ class Actor:
         metrics.update(train_tokens=self._tokens, train_sequences=self._sequences)
         return metrics
 
-    def train(self, samples: list[Sample], ref_logprobs: list[list[float]] | None = None) -> dict[str, float]:
+    def train(self, samples: list[Sample]) -> dict[str, float]:
         """One step over samples that are all here, split into micro-batches."""
         self.begin_step()
         size = self.engine.config.micro_batch_size
         for start in range(0, len(samples), size):
-            refs = ref_logprobs[start : start + size] if ref_logprobs is not None else None
-            self.accumulate(samples[start : start + size], refs)
+            self.accumulate(samples[start : start + size])
         return self.finish_step()
 
     def weights(self) -> dict[str, torch.Tensor]:

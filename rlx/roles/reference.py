@@ -1,4 +1,4 @@
-"""Reference: log-probs of a frozen reference policy, for the KL term."""
+"""Forward-only log-prob roles: Reference (frozen, for the KL term) and ActorFwd (follows the policy)."""
 
 from __future__ import annotations
 
@@ -24,3 +24,16 @@ class Reference:
             logprobs, _ = token_logprobs(self.model, samples_to_batch(chunk, self.pad_token_id), self.temperature)
             out.extend(lp[: len(s.response_ids)].tolist() for s, lp in zip(chunk, logprobs))
         return out
+
+
+class ActorFwd(Reference):
+    """Log-probs under the latest published policy: the proximal policy of decoupled PPO.
+
+    Computed on its own resources as samples arrive, so these forward passes overlap training."""
+
+    weight_version = 0
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=True)
+        self.weight_version = version

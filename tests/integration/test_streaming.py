@@ -30,9 +30,9 @@ def test_slow_reward_does_not_stall_training(tiny_path, tmp_path):
     accumulated_at: list[float] = []
     original = c.actor.accumulate
 
-    def timed_accumulate(samples, refs=None):
+    def timed_accumulate(samples):
         accumulated_at.append(time.monotonic())
-        return original(samples, refs)
+        return original(samples)
 
     c.actor.accumulate = timed_accumulate
     for worker in (workers.reward, workers.advantages):

@@ -197,14 +197,14 @@ def _raises(completion, label, metadata):
     "fn,score,error_part",
     [
         (_raises, 0.0, "RuntimeError: boom"),
-        (lambda c, l, m: float("nan"), 0.0, "nan"),
-        (lambda c, l, m: float("inf"), 0.0, "inf"),
-        (lambda c, l, m: "1.0", 0.0, "'1.0'"),
-        (lambda c, l, m: None, 0.0, "None"),
+        (lambda c, lab, m: float("nan"), 0.0, "nan"),
+        (lambda c, lab, m: float("inf"), 0.0, "inf"),
+        (lambda c, lab, m: "1.0", 0.0, "'1.0'"),
+        (lambda c, lab, m: None, 0.0, "None"),
     ],
 )
 def test_score_safely_failures(fn, score, error_part):
-    outcome = score_safely(fn, "c", "l", {})
+    outcome = score_safely(fn, "c", "lab", {})
     assert isinstance(outcome, RewardOutcome)
     assert outcome.failed
     assert outcome.score == score
@@ -213,7 +213,7 @@ def test_score_safely_failures(fn, score, error_part):
 
 @pytest.mark.parametrize("value,expected", [(True, 1.0), (False, 0.0), (1, 1.0), (0.25, 0.25)])
 def test_score_safely_accepts_numbers_and_bools(value, expected):
-    outcome = score_safely(lambda c, l, m: value, "c", "l", {})
+    outcome = score_safely(lambda c, lab, m: value, "c", "lab", {})
     assert not outcome.failed
     assert outcome.error is None
     assert outcome.score == expected
@@ -221,14 +221,14 @@ def test_score_safely_accepts_numbers_and_bools(value, expected):
 
 
 def test_score_safely_accepts_numpy_scalar():
-    np = pytest.importorskip("numpy")
-    outcome = score_safely(lambda c, l, m: np.float64(0.75), "c", "l", {})
+    import numpy as np
+    outcome = score_safely(lambda c, lab, m: np.float64(0.75), "c", "lab", {})
     assert not outcome.failed and outcome.score == 0.75
-    bad = score_safely(lambda c, l, m: np.float32("nan"), "c", "l", {})
+    bad = score_safely(lambda c, lab, m: np.float32("nan"), "c", "lab", {})
     assert bad.failed and not math.isnan(bad.score)
 
 
 def test_score_safely_passes_arguments_through():
     seen = []
-    score_safely(lambda c, l, m: seen.append((c, l, m)) or 0.0, "comp", "lab", {"k": 1})
+    score_safely(lambda c, lab, m: seen.append((c, lab, m)) or 0.0, "comp", "lab", {"k": 1})
     assert seen == [("comp", "lab", {"k": 1})]
