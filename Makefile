@@ -14,6 +14,10 @@ $(BIN)/rlx: pyproject.toml
 
 install: $(BIN)/rlx
 
+# Everything runs offline: models are built in code or shipped in packages, never fetched from a hub.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
 demo: install
 	$(BIN)/rlx train examples/chain_sum_smollm2.yaml --overwrite
 

@@ -88,15 +88,23 @@ class RewardConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage: str = "grpo"
-    policy_loss: str = "clipped"
-    norm_std: bool = True
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    policy_loss: Literal["clipped", "gspo", "sapo", "cispo"] = "clipped"
+    norm_std: bool = Field(True, description="divide GRPO advantages by the group std (false: Dr.GRPO)")
     clip_low: float = Field(0.2, ge=0.0, le=1.0)
     clip_high: float = Field(0.28, ge=0.0, le=10.0)
+    dual_clip: float | None = Field(None, gt=1.0, description="dual-clip bound c for negative advantages (e.g. 3)")
+    gspo_clip_low: float = Field(3e-4, ge=0.0, le=1.0, description="GSPO clips the sequence ratio much tighter")
+    gspo_clip_high: float = Field(4e-4, ge=0.0, le=1.0)
+    sapo_tau_pos: float = Field(1.0, gt=0.0, description="SAPO gate temperature for positive advantages")
+    sapo_tau_neg: float = Field(1.05, gt=0.0, description="SAPO gate temperature for negative advantages")
+    cispo_clip_low: float = Field(1.0, ge=0.0, le=1.0, description="CISPO weight floor is 1 - this (1: none)")
+    cispo_clip_high: float = Field(0.28, ge=0.0)
     kl_coef: float = Field(0.0, ge=0.0)
-    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_type: Literal["k1", "k2", "k3", "low_var"] = "k3"
     entropy_coef: float = Field(0.0, ge=0.0)
-    aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    loss_horizon: int = Field(1024, ge=1, description="constant divisor of seq-mean-token-sum (Dr.GRPO)")
     filter_zero_std_groups: bool = Field(True, description="skip groups whose rewards are all equal")
     behavior_correction: Literal["none", "tis", "decoupled"] = Field(
         "none", description="off-policy correction against the rollout log-probs: tis (truncated importance "

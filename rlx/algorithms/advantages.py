@@ -28,3 +28,33 @@ def grpo_advantages(
     mean, std = group_stats(rewards.float(), group_ids)
     advantages = rewards - mean
     return advantages / (std + eps) if norm_std else advantages
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, norm_std: bool = False) -> torch.Tensor:
+    """RLOO: A_i = r_i - mean of the *other* responses in the group = n/(n-1) (r_i - mean).
+    `norm_std` is ignored. A group of one gets 0."""
+    mean, _ = group_stats(rewards.float(), group_ids)
+    _, index = torch.unique(group_ids, return_inverse=True)
+    count = torch.bincount(index).to(rewards.dtype)[index]
+    return torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp(min=1), torch.zeros_like(mean))
+
+
+def _batch_normalize(values: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    if values.numel() < 2:
+        return values - values.mean()
+    return (values - values.mean()) / (values.std() + eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def reinforce_pp_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, norm_std: bool = True) -> torch.Tensor:
+    """REINFORCE++: rewards normalised over the whole batch (no per-prompt baseline)."""
+    return _batch_normalize(rewards.float())
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,
+                                     norm_std: bool = True) -> torch.Tensor:
+    """REINFORCE++ with a group baseline: subtract the group mean, then normalise over the batch."""
+    mean, _ = group_stats(rewards.float(), group_ids)
+    return _batch_normalize(rewards - mean)

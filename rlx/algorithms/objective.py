@@ -31,23 +31,21 @@ def policy_objective(
     fraction and ratio per token), so summing over micro-batches gives the step's value.
     """
     loss_fn = POLICY_LOSSES.get(config.policy_loss)
-    per_token, clipped = loss_fn(
-        logprobs, fields["old_logprobs"], fields["advantages"], clip_low=config.clip_low, clip_high=config.clip_high
-    )
+    per_token, clipped = loss_fn(logprobs, fields["old_logprobs"], fields["advantages"], mask, config)
     if config.behavior_correction == "tis":  # current policy over the behaviour policy
         per_token = per_token * truncated_importance_weight(logprobs, fields["rollout_logprobs"], config.tis_cap)
     elif config.behavior_correction == "decoupled":  # proximal policy over the behaviour policy
         per_token = per_token * truncated_importance_weight(fields["old_logprobs"], fields["rollout_logprobs"],
                                                             config.tis_cap)
-    policy_loss = aggregate(per_token, mask, config.aggregation, global_tokens, global_sequences)
+    policy_loss = aggregate(per_token, mask, config.aggregation, global_tokens, global_sequences, config.loss_horizon)
     loss = policy_loss
     metrics = {"policy_loss": policy_loss.item()}
     if config.kl_coef > 0:
         kl = aggregate(kl_estimate(logprobs, fields["ref_logprobs"], config.kl_type), mask, config.aggregation,
-                       global_tokens, global_sequences)
+                       global_tokens, global_sequences, config.loss_horizon)
         loss = loss + config.kl_coef * kl
         metrics["kl"] = kl.item()
-    entropy_mean = aggregate(entropy, mask, config.aggregation, global_tokens, global_sequences)
+    entropy_mean = aggregate(entropy, mask, config.aggregation, global_tokens, global_sequences, config.loss_horizon)
     if config.entropy_coef > 0:
         loss = loss - config.entropy_coef * entropy_mean
     token_share = lambda values: float((values * mask).sum()) / max(global_tokens, 1.0)  # noqa: E731

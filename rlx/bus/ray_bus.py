@@ -150,3 +150,20 @@ class Bus:
 
     def metrics(self) -> dict[str, float]:
         return ray.get(self.actor.metrics.remote())
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole bus with values resolved: picklable into a checkpoint, independent of Ray."""
+        state = ray.get(self.actor.snapshot.remote())
+        refs = list({ref for row in state["rows"] for ref, _ in row[3].values()})
+        resolved = dict(zip(refs, ray.get(refs)))
+        for row in state["rows"]:
+            row[3].update({f: resolved[ref][f][i] for f, (ref, i) in row[3].items()})
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Load a snapshot (from `snapshot`), putting its values back into the object store."""
+        for row in state["rows"]:
+            stored = self._store({f: [v] for f, v in row[3].items()}) if row[3] else {}
+            row[3].clear()
+            row[3].update({f: column[0] for f, column in stored.items()})
+        ray.get(self.actor.restore.remote(state))

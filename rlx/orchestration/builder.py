@@ -21,7 +21,13 @@ from rlx.engines.training import TrainingEngine
 from rlx.models import eos_token_ids, load_pretrained, resolve_model_path
 from rlx.orchestration.staleness import StalenessGate
 from rlx.orchestration.workers import (
-    ACTOR_FWD_INPUTS, REFERENCE_INPUTS, ActorWorker, AdvantagesWorker, LogProbWorker, RewardWorker, RolloutWorker,
+    ACTOR_FWD_INPUTS,
+    REFERENCE_INPUTS,
+    ActorWorker,
+    AdvantagesWorker,
+    LogProbWorker,
+    RewardWorker,
+    RolloutWorker,
     Worker,
 )
 from rlx.rewards import build_reward

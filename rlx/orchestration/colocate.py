@@ -14,9 +14,9 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from rlx.bus import LocalBus
 from rlx.config import RunConfig
 from rlx.obs import MetricsWriter, plot_run
-from rlx.bus import LocalBus
 from rlx.orchestration.builder import Workers, build_components, build_workers
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.run_dir import checkpoint_path, latest_checkpoint, prepare_run_dir

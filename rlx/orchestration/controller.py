@@ -19,8 +19,14 @@ from rlx.bus.ray_bus import Bus
 from rlx.config import ConfigError, RunConfig
 from rlx.data import load_splits
 from rlx.obs import MetricsWriter, plot_run
-from rlx.orchestration.builder import build_reward_role, build_rollout, model_path, prepare_process, prompt_encoder, \
-    sampling_params
+from rlx.orchestration.builder import (
+    build_reward_role,
+    build_rollout,
+    model_path,
+    prepare_process,
+    prompt_encoder,
+    sampling_params,
+)
 from rlx.orchestration.cluster import start_ray, stop_ray
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.run_dir import checkpoint_path, prepare_run_dir

@@ -13,8 +13,17 @@ from rlx.bus.ray_bus import Bus
 from rlx.config import RunConfig
 from rlx.data import PromptStream, load_splits
 from rlx.orchestration.builder import (
-    actor_fwd_worker, actor_worker, build_actor, build_actor_fwd, build_reference, build_reward_role, build_rollout,
-    model_path, prepare_process, reference_worker, rollout_worker,
+    actor_fwd_worker,
+    actor_worker,
+    build_actor,
+    build_actor_fwd,
+    build_reference,
+    build_reward_role,
+    build_rollout,
+    model_path,
+    prepare_process,
+    reference_worker,
+    rollout_worker,
 )
 from rlx.orchestration.workers import AdvantagesWorker, RewardWorker, Worker
 from rlx.roles import Advantages

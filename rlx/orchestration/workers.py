@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import abc
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import time
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import fields as dataclass_fields
 from typing import Any, Callable
 

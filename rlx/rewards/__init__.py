@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 
 from rlx.config import ConfigError
-
 from rlx.rewards.builtin import REWARDS, RewardFn
 from rlx.rewards.safe import RewardOutcome, score_safely
 

@@ -11,7 +11,6 @@ from rlx.data.rows import PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import GenerationEngine, GenerationRequest, SamplingParams
 
-
 Group = tuple[int, PromptRow, list[int]]  # (group id, prompt row, prompt token ids)
 
 

@@ -59,3 +59,17 @@ def test_capacity_gives_back_pressure(bus):
     bus.clear(rows)
     assert bus.metrics()["bus_rows"] == 0
     assert ray.is_initialized()
+
+
+def test_snapshot_and_restore_keep_fields_and_consumption(bus):
+    rows = bus.put({"response_ids": [[1, 2], [3]]}, group_ids=[4, 4], num_tokens=[2, 1])
+    bus.put_fields(rows[:1], {"reward": [0.5]})
+    assert bus.get("reward", ["response_ids"], 1, timeout=5)[0] == rows[:1]
+    state = bus.snapshot()
+    bus.clear(rows)
+    bus.restore(state)
+    got, values = bus.get("train", ["response_ids", "reward"], 1, timeout=5)
+    assert got == rows[:1] and values == {"response_ids": [[1, 2]], "reward": [0.5]}
+    again, _ = bus.get("reward", ["response_ids"], 1, timeout=5)  # consumption state survived
+    assert again == rows[1:]
+    bus.clear(rows)

@@ -1,0 +1,115 @@
+"""GSPO, SAPO, CISPO, dual clip, RLOO, REINFORCE++, low-variance KL and Dr.GRPO aggregation, by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlx.algorithms import (
+    aggregate, cispo_loss, clipped_policy_loss, gspo_loss, kl_estimate, policy_objective, reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages, rloo_advantages, sapo_loss,
+)
+from rlx.config import AlgorithmConfig
+
+
+def test_rloo_leaves_one_out():
+    # group [1, 0, 0, 1]: r_0 - mean(0, 0, 1) = 2/3 ; r_1 - mean(1, 0, 1) = -2/3 ; lone group -> 0
+    adv = rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0]), torch.tensor([0, 0, 0, 0, 1]))
+    assert adv.tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0], abs=1e-6)
+
+
+def test_reinforce_pp_normalises_over_the_batch():
+    # mean 0.5, unbiased std sqrt(1/3): (1 - 0.5) / 0.57735 = 0.8660
+    adv = reinforce_pp_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    assert adv.tolist() == pytest.approx([0.8660, -0.8660, -0.8660, 0.8660], abs=1e-3)
+
+
+def test_reinforce_pp_with_group_baseline():
+    # minus group means -> [0.5, -0.5, 0, 0]; batch std sqrt(0.5 / 3) = 0.40825 -> [1.2247, -1.2247, 0, 0]
+    adv = reinforce_pp_baseline_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    assert adv.tolist() == pytest.approx([1.2247, -1.2247, 0.0, 0.0], abs=1e-3)
+
+
+def test_gspo_uses_one_length_normalised_ratio_per_sequence():
+    # token log-ratios +0.1 and -0.1 average to 0: s = 1, loss -A on both tokens, gradient -A/2 each
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    old, adv, mask = torch.tensor([[-1.1, -0.9]]), torch.full((1, 2), 2.0), torch.ones(1, 2)
+    loss, clipped = gspo_loss(logp, old, adv, mask, 3e-4, 4e-4)
+    assert loss[0].tolist() == pytest.approx([-2.0, -2.0]) and clipped.sum() == 0
+    aggregate(loss, mask, "seq-mean-token-mean", 2, 1).backward()
+    assert logp.grad[0].tolist() == pytest.approx([-1.0, -1.0])
+
+
+def test_gspo_clips_the_whole_sequence():
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    old, adv, mask = torch.full((1, 2), -0.5), torch.ones(1, 2), torch.ones(1, 2)  # s = e^0.5 = 1.6487
+    loss, clipped = gspo_loss(logp, old, adv, mask, 3e-4, 4e-4)
+    assert loss[0, 0].item() == pytest.approx(-1.0004) and clipped.tolist() == [[1.0, 1.0]]
+    loss.sum().backward()
+    assert logp.grad.abs().sum() == 0
+
+
+def test_sapo_gate_value_and_gradient():
+    # on-policy: gate sigma(0) = 0.5, loss = -(4 / tau) * 0.5 * A; gradient w.r.t. logp = -A whatever tau
+    for tau_pos in (0.5, 1.0, 2.0):
+        logp = torch.tensor([[-1.0]], requires_grad=True)
+        loss, _ = sapo_loss(logp, torch.tensor([[-1.0]]), torch.tensor([[3.0]]), tau_pos, 1.05)
+        assert loss.item() == pytest.approx(-2.0 * 3.0 / tau_pos)
+        loss.sum().backward()
+        assert logp.grad.item() == pytest.approx(-3.0)
+    # off-policy r = e: sigma(e - 1) = 0.8479, weight 4 s (1 - s) = 0.5158, gradient -0.5158 * e * A
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    loss, weak = sapo_loss(logp, torch.tensor([[-1.0]]), torch.tensor([[1.0]]), 1.0, 1.05)
+    loss.sum().backward()
+    assert logp.grad.item() == pytest.approx(-0.5158 * math.e, abs=1e-3)
+    assert weak.item() == 0.0  # weight 0.52 is still above one half
+
+
+def test_sapo_negative_advantages_use_their_own_temperature():
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    loss, _ = sapo_loss(logp, torch.tensor([[0.0]]), torch.tensor([[-1.0]]), 1.0, 2.0)
+    assert loss.item() == pytest.approx(4.0 / 2.0 * 0.5)  # -(4 / tau_neg) * 0.5 * (-1)
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens():
+    # r = e^0.5 = 1.6487 > 1.28: weight 1.28 (detached); loss = -1.28 * A * logp ; d/dlogp = -1.28 A
+    logp = torch.tensor([[-0.5]], requires_grad=True)
+    loss, clipped = cispo_loss(logp, torch.tensor([[-1.0]]), torch.tensor([[2.0]]), 1.0, 0.28)
+    assert loss.item() == pytest.approx(-1.28 * 2.0 * -0.5) and clipped.item() == 1.0
+    loss.sum().backward()
+    assert logp.grad.item() == pytest.approx(-1.28 * 2.0)
+
+
+def test_dual_clip_bounds_negative_advantages():
+    # r = 5, A = -1: PPO loss max(5, 1.28) = 5; dual clip c = 3 caps it at 3 (and its gradient is 0)
+    logp = torch.tensor([[math.log(5.0)]], requires_grad=True)
+    loss, clipped = clipped_policy_loss(logp, torch.zeros(1, 1), torch.tensor([[-1.0]]), 0.2, 0.28, dual_clip=3.0)
+    assert loss.item() == pytest.approx(3.0) and clipped.item() == 1.0
+    loss.sum().backward()
+    assert logp.grad.item() == 0.0
+    plain, _ = clipped_policy_loss(logp, torch.zeros(1, 1), torch.tensor([[-1.0]]), 0.2, 0.28)
+    assert plain.item() == pytest.approx(5.0)
+
+
+def test_low_variance_kl_is_bounded():
+    huge = kl_estimate(torch.tensor([-30.0]), torch.tensor([-10.0]), "low_var")
+    assert huge.item() == 10.0
+    small = kl_estimate(torch.tensor([-1.0]), torch.tensor([-2.0]), "low_var")
+    assert small.item() == pytest.approx(math.exp(-1), abs=1e-6)
+
+
+def test_seq_mean_token_sum_is_length_agnostic():
+    values, mask = torch.tensor([[1.0, 2.0], [3.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    assert aggregate(values, mask, "seq-mean-token-sum", 3, 2, horizon=4).item() == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("loss", ["clipped", "gspo", "sapo", "cispo"])
+def test_every_registered_loss_runs_through_the_objective(loss):
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    fields = {"old_logprobs": torch.tensor([[-1.0, -2.0]]), "advantages": torch.full((1, 2), 1.0)}
+    total, metrics = policy_objective(logp, torch.ones(1, 2), torch.ones(1, 2), fields,
+                                      AlgorithmConfig(policy_loss=loss), 2, 1)
+    total.backward()
+    assert logp.grad is not None and logp.grad.abs().sum() > 0 and "clip_fraction" in metrics
