@@ -12,14 +12,18 @@ from rlx.roles import Reward, Rollout
 
 def evaluate(rollout: Rollout, reward: Reward, rows: list[PromptRow], encode: Callable[[PromptRow], list[int]],
              params: SamplingParams) -> dict[str, float]:
-    """Mean score of one greedy response per held-out prompt (accuracy for 0/1 rewards)."""
+    """Accuracy (share of greedy responses scoring full marks) and mean score on the held-out split.
+
+    Some scorers give partial credit (reasoning-gym's numeric scorer gives len(label)/len(answer)
+    when the label is a substring of a wrong answer), so accuracy counts only full marks."""
     if not rows:
         return {}
     start = time.perf_counter()
     groups = [(-1 - i, row, encode(row)) for i, row in enumerate(rows)]
     samples = reward.score(list(rollout.generate(groups, 1, params)))
     return {
-        "eval_accuracy": sum(s.reward for s in samples) / len(samples),
+        "eval_accuracy": sum(s.reward >= 1.0 for s in samples) / len(samples),
+        "eval_reward_mean": sum(s.reward for s in samples) / len(samples),
         "eval_reward_failed": float(sum(s.reward_error is not None for s in samples)),
         "eval_response_length": sum(len(s.response_ids) for s in samples) / len(samples),
         "time_eval_s": time.perf_counter() - start,
