@@ -55,6 +55,30 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    """Greedy held-out evaluation of a run's latest checkpoint (or its initial model with --initial)."""
+    import json
+
+    from rlx.data import load_splits
+    from rlx.models import resolve_model_path
+    from rlx.orchestration.builder import build_reward_role, build_rollout, prompt_encoder, sampling_params
+    from rlx.orchestration.evaluation import evaluate
+    from rlx.orchestration.run_dir import latest_checkpoint
+
+    run_dir = Path(args.run_dir)
+    config = load_config(run_dir / "config.yaml", args.overrides)
+    checkpoint = None if args.initial else latest_checkpoint(run_dir)
+    if checkpoint is None and not args.initial:
+        raise ConfigError(f"{run_dir} has no checkpoint to evaluate")
+    path = checkpoint or resolve_model_path(config.model.path)
+    rollout = build_rollout(config, Path(path))
+    rows = load_splits(config.data)[1]
+    metrics = evaluate(rollout, build_reward_role(config), rows, prompt_encoder(config, rollout.tokenizer),
+                       sampling_params(config, seed=0, greedy=True))
+    print(json.dumps({"model": str(path), "eval_size": len(rows), **metrics}, indent=2))
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from rlx.obs import plot_run
 
@@ -113,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--work-dir", default="runs/bench", help="scratch folder for runs and models")
     bench.add_argument("--out", default="docs/benchmarks.md")
     bench.set_defaults(func=_bench)
+
+    evaluate = sub.add_parser("eval", help="greedy held-out accuracy of a run's latest checkpoint")
+    evaluate.add_argument("run_dir")
+    evaluate.add_argument("overrides", nargs="*", help="dotted overrides of the run's config")
+    evaluate.add_argument("--initial", action="store_true", help="evaluate the starting model instead")
+    evaluate.set_defaults(func=_eval)
 
     plot = sub.add_parser("plot", help="plot reward and eval accuracy of a run to PNG")
     plot.add_argument("run_dir")

@@ -124,7 +124,8 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
         raise ConfigError("--resume works in colocate mode only for now: async resume needs the bus state "
                           "in checkpoints; run with train.mode=colocate or start a new run")
     run_dir = prepare_run_dir(config, resume, overwrite)
-    load_splits(config.data)  # bad data stops the run before any service starts
+    load_splits(config.data)  # bad data or a reward that cannot load stop the run before any service starts
+    build_reward_role(config)
     prepare_process(config)
     started = time.perf_counter()
     controller = Controller(config, echo)

@@ -62,6 +62,10 @@ def test_train_export_and_plot_from_the_command_line(tmp_path, tiny_path):
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "reward_mean" in r] == [1, 2]
+    evaluated = rlx("eval", run_dir)
+    assert evaluated.returncode == 0, evaluated.stderr
+    report = json.loads(evaluated.stdout)
+    assert report["model"].endswith("step_000002") and report["eval_size"] == 4 and 0 <= report["eval_accuracy"] <= 1
     again = rlx(*args)
     assert again.returncode == 2 and "--resume" in again.stderr
     exported = tmp_path / "hf"
