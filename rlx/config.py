@@ -84,7 +84,8 @@ class RolloutConfig(Section):
 class RewardConfig(Section):
     name: str = Field("reasoning_gym", description="built-in reward or `module:function`")
     extract: Literal["last_number", "answer_tag", "boxed", "none"] = "last_number"
-    format_weight: float = Field(0.0, ge=0.0, le=1.0, description="reward share for an extractable answer")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment over the last N tokens (0: off)")
+    overlong_penalty: float = Field(1.0, ge=0.0, description="penalty at the length cap")
 
 
 class AlgorithmConfig(Section):

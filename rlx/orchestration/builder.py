@@ -87,7 +87,9 @@ def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd:
 
 
 def build_reward_role(config: RunConfig) -> Reward:
-    return Reward(build_reward(config.reward.name, config.reward.extract))
+    r = config.reward
+    return Reward(build_reward(r.name, r.extract), max_length=config.rollout.max_new_tokens,
+                  overlong_buffer=r.overlong_buffer, overlong_factor=r.overlong_penalty)
 
 
 @dataclass

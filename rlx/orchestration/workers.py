@@ -27,7 +27,7 @@ from rlx.roles.rollout import Group
 SAMPLE_FIELDS = {f.name for f in dataclass_fields(Sample)} - {"uid"}
 ROLLOUT_FIELDS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "behavior_version",
                   "finish_reason", "response_text", "label", "metadata"]
-REWARD_INPUTS = ["group_id", "response_text", "label", "metadata"]
+REWARD_INPUTS = ["group_id", "response_ids", "response_text", "label", "metadata"]
 ADVANTAGE_INPUTS = ["group_id", "reward", "reward_error"]
 REFERENCE_INPUTS = ["group_id", "prompt_ids", "response_ids", "filter_reason"]  # skips filtered samples
 ACTOR_FWD_INPUTS = ["group_id", "prompt_ids", "response_ids"]  # starts as soon as a sample exists

@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from rlx.algorithms import (
-    aggregate, cispo_loss, clipped_policy_loss, gspo_loss, kl_estimate, policy_objective, reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages, rloo_advantages, sapo_loss,
+    aggregate,
+    cispo_loss,
+    clipped_policy_loss,
+    gspo_loss,
+    kl_estimate,
+    policy_objective,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+    sapo_loss,
 )
 from rlx.config import AlgorithmConfig
 
@@ -113,3 +121,13 @@ def test_every_registered_loss_runs_through_the_objective(loss):
                                       AlgorithmConfig(policy_loss=loss), 2, 1)
     total.backward()
     assert logp.grad is not None and logp.grad.abs().sum() > 0 and "clip_fraction" in metrics
+
+
+def test_overlong_penalty_ramps_down_to_the_cap():
+    from rlx.rewards.shaping import overlong_penalty
+
+    # cap 100, buffer 20: no penalty up to 80 tokens, -0.5 at 90, -1 at 100
+    assert overlong_penalty(80, 100, 20, 1.0) == 0.0
+    assert overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
+    assert overlong_penalty(100, 100, 20, 1.0) == pytest.approx(-1.0)
+    assert overlong_penalty(100, 100, 0, 1.0) == 0.0
