@@ -223,17 +223,17 @@ class RolloutWorker(Worker):
     def _produce(self, groups: list[Group], continuous: bool) -> int:
         params = self.sampling(self.groups_started - len(groups))
 
-        def produce() -> int:
-            count = 0
-            for sample in self.role.generate(groups, self.n, params, more_groups=self.admit if continuous else None,
-                                             between_steps=self._between_steps if continuous else None):
-                self.bus.put({name: [getattr(sample, name)] for name in ROLLOUT_FIELDS}, group_ids=[sample.group_id],
-                             num_tokens=[sample_tokens(sample)])
-                count += 1
-            return count
-
-        produced = self._timed(produce)
-        self.items += produced
+        produced = 0
+        mark = time.monotonic()  # busy time is booked per sample: one continuous stream can last a whole run
+        for sample in self.role.generate(groups, self.n, params, more_groups=self.admit if continuous else None,
+                                         between_steps=self._between_steps if continuous else None):
+            self.bus.put({name: [getattr(sample, name)] for name in ROLLOUT_FIELDS}, group_ids=[sample.group_id],
+                         num_tokens=[sample_tokens(sample)])
+            produced += 1
+            self.items += 1
+            now = time.monotonic()
+            self.busy_s, mark = self.busy_s + now - mark, now
+        self.busy_s += time.monotonic() - mark
         return produced
 
     def generate(self, num_groups: int) -> int:

@@ -78,10 +78,19 @@ class _Running:
     rows: list[_Row]
 
     def select(self, keep: list[int]) -> None:
+        """Keep only these rows, then drop leading columns that are padding for every row left:
+        without this, a batch that is refilled forever would carry an ever longer padded cache."""
         index = torch.tensor(keep, dtype=torch.long, device=self.attention.device)
         self.cache.batch_select_indices(index)
         self.attention, self.next_position = self.attention[index], self.next_position[index]
         self.logits, self.rows = self.logits[index], [self.rows[i] for i in keep]
+        if not keep:
+            return
+        start = int(self.attention.any(0).int().argmax())
+        if start > 0:
+            self.attention = self.attention[:, start:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
 
     def merge(self, other: _Running) -> None:
         """Append `other`'s rows; the shorter cache is left-padded (masked) to the longer length."""
