@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator, Protocol
 
-from rlx.bus.core import BusTimeout
 from rlx.bus.samplers import SamplerSpec
 
 POLL_S = 0.5
@@ -14,6 +13,9 @@ POLL_S = 0.5
 class BusLike(Protocol):
     def get(self, task: str, fields: list[str], batch_size: int, timeout: float | None = None,
             sampler: SamplerSpec | None = None, partial: bool = False) -> tuple[list[int], dict[str, list]]: ...
+
+    def poll(self, task: str, fields: list[str], batch_size: int, timeout: float,
+             sampler: SamplerSpec | None = None, partial: bool = False) -> tuple[list[int], dict[str, list]]: ...
 
 
 class StreamingDataLoader:
@@ -29,11 +31,12 @@ class StreamingDataLoader:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             poll = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
-            try:
-                return self.bus.get(self.task, self.fields, batch_size, poll, self.sampler)
-            except BusTimeout:
-                if self.should_stop() or (deadline is not None and time.monotonic() >= deadline):
-                    raise
+            rows, values = self.bus.poll(self.task, self.fields, batch_size, poll, self.sampler)
+            if rows:
+                return rows, values
+            if self.should_stop() or (deadline is not None and time.monotonic() >= deadline):
+                # one last look, which raises with what was missing and how many rows were ready
+                return self.bus.get(self.task, self.fields, batch_size, 0.0, self.sampler)
 
     def __iter__(self) -> Iterator[tuple[list[int], dict[str, list]]]:
         remaining = self.rows_per_step

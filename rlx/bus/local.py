@@ -19,7 +19,8 @@ class LocalBus:
         self.changed = threading.Condition()
         self.wait_seconds: dict[str, float] = {}
 
-    def _wait_until(self, attempt: Callable[[], Any], timeout: float | None, describe: Callable[[], str]) -> Any:
+    def _wait_until(self, attempt: Callable[[], Any], timeout: float | None,
+                    describe: Callable[[], str] | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.changed:
             while True:
@@ -29,6 +30,8 @@ class LocalBus:
                     return result
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
+                    if describe is None:
+                        return None
                     raise BusTimeout(describe())
                 self.changed.wait(remaining)
 
@@ -58,6 +61,15 @@ class LocalBus:
         with self.changed:
             self.wait_seconds[task] = self.wait_seconds.get(task, 0.0) + time.monotonic() - started
             return row_ids, self.index.values(row_ids, fields)
+
+    def poll(self, task: str, fields: list[str], batch_size: int, timeout: float,
+             sampler: SamplerSpec | None = None, partial: bool = False) -> tuple[list[int], dict[str, list]]:
+        """Like `get`, but an empty result instead of an error when nothing is ready in time."""
+        chooser = make_sampler(sampler)
+        row_ids = self._wait_until(lambda: self.index.take(task, fields, batch_size, chooser, partial), timeout,
+                                   None) or []
+        with self.changed:
+            return row_ids, self.index.values(row_ids, fields) if row_ids else {}
 
     def release(self, task: str, row_ids: list[int]) -> None:
         with self.changed:

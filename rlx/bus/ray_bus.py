@@ -34,6 +34,8 @@ class BusActor:
                     return result
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
+                    if describe is None:
+                        return None
                     raise BusTimeout(describe())
                 try:
                     await asyncio.wait_for(self.changed.wait(), remaining)
@@ -64,13 +66,13 @@ class BusActor:
         await self._notify()
 
     async def get(self, task: str, fields: list[str], batch_size: int, sampler: SamplerSpec | None,
-                  timeout: float | None, partial: bool) -> tuple[list[int], dict[str, list]]:
+                  timeout: float | None, partial: bool, raise_on_timeout: bool = True,
+                  ) -> tuple[list[int], dict[str, list]]:
         chooser = make_sampler(sampler)
         started = time.monotonic()
-
+        describe = (lambda: self.index.timeout_message(task, fields, batch_size, timeout)) if raise_on_timeout else None
         row_ids = await self._wait_until(
-            lambda: self.index.take(task, fields, batch_size, chooser, partial), timeout,
-            lambda: self.index.timeout_message(task, fields, batch_size, timeout))
+            lambda: self.index.take(task, fields, batch_size, chooser, partial), timeout, describe) or []
         self.wait_seconds[task] = self.wait_seconds.get(task, 0.0) + time.monotonic() - started
         await self._notify()
         return row_ids, self.index.values(row_ids, fields)
@@ -135,6 +137,19 @@ class Bus:
             row_ids, refs = ray.get(self.actor.get.remote(task, fields, batch_size, sampler, timeout, partial))
         except BusTimeout as exc:  # Ray wraps it with the remote traceback; keep the message plain
             raise BusTimeout(str(getattr(exc, "cause", exc))) from None
+        return self._resolve(row_ids, refs)
+
+    def poll(self, task: str, fields: list[str], batch_size: int, timeout: float,
+             sampler: SamplerSpec | None = None, partial: bool = False) -> tuple[list[int], dict[str, list]]:
+        """Like `get`, but an empty result instead of an error when nothing is ready in time
+        (for workers that poll: an exception per idle poll costs real CPU)."""
+        row_ids, refs = ray.get(self.actor.get.remote(task, fields, batch_size, sampler, timeout, partial, False))
+        return self._resolve(row_ids, refs)
+
+    @staticmethod
+    def _resolve(row_ids: list[int], refs: dict[str, list]) -> tuple[list[int], dict[str, list]]:
+        if not row_ids:
+            return [], {}
         unique = list({ref for column in refs.values() for ref, _ in column})
         resolved = dict(zip(unique, ray.get(unique)))
         return row_ids, {f: [resolved[ref][f][i] for ref, i in column] for f, column in refs.items()}

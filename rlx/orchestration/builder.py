@@ -152,12 +152,12 @@ def staleness_gate(config: RunConfig, max_staleness: int) -> StalenessGate:
     return StalenessGate(max_staleness, config.rollout.prompts_per_step)
 
 
-def rollout_worker(config: RunConfig, rollout: Rollout, bus, stream: PromptStream, trainer_version: Callable[[], int],
-                   sync_weights: Callable[[], None], max_staleness: int) -> RolloutWorker:
+def rollout_worker(config: RunConfig, rollout: Rollout, bus, stream: PromptStream, sync_weights: Callable[[], None],
+                   max_staleness: int) -> RolloutWorker:
     r, seed = config.rollout, config.train.seed
     return RolloutWorker(rollout, bus, stream, prompt_encoder(config, rollout.tokenizer), r.n,
                          lambda started: sampling_params(config, seed=seed * 100_003 + started),
-                         staleness_gate(config, max_staleness), trainer_version, sync_weights,
+                         staleness_gate(config, max_staleness), sync_weights,
                          max_batch_size=r.max_batch_size)
 
 
@@ -179,12 +179,12 @@ def actor_fwd_worker(config: RunConfig, actor_fwd, bus, sync_weights: Callable[[
                          "old_logprobs", before_batch=sync_weights)
 
 
-def build_workers(c: Components, bus, trainer_version: Callable[[], int], sync_weights: Callable[[], None],
+def build_workers(c: Components, bus, sync_weights: Callable[[], None],
                   publish: Callable[[], None], max_staleness: int) -> Workers:
     """Connect the roles of `c` to `bus`; the callables say how weights travel in this mode."""
     cfg = c.config
     return Workers(
-        rollout=rollout_worker(cfg, c.rollout, bus, c.train_stream, trainer_version, sync_weights, max_staleness),
+        rollout=rollout_worker(cfg, c.rollout, bus, c.train_stream, sync_weights, max_staleness),
         reward=RewardWorker(c.reward, bus),
         advantages=AdvantagesWorker(c.advantages, bus, group_size=cfg.rollout.n),
         reference=reference_worker(cfg, c.reference, bus) if c.reference is not None else None,

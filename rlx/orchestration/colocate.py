@@ -65,7 +65,7 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
     c = build_components(config)
     # Colocated: generation starts a step's groups only after the previous step trained (staleness 0),
     # and weights are copied into the generation engine right after each optimizer step.
-    workers = build_workers(c, LocalBus(), trainer_version=lambda: c.actor.version, sync_weights=lambda: None,
+    workers = build_workers(c, LocalBus(), sync_weights=lambda: None,
                             publish=c.sync_weights, max_staleness=0)
     step, totals = 0, Counter()
 

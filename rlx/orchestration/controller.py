@@ -33,7 +33,7 @@ from rlx.orchestration.run_dir import checkpoint_path, prepare_run_dir
 from rlx.orchestration.services import RoleService, uses_actor_fwd
 from rlx.weights.store import WeightStore
 
-POLL_S = 0.5
+POLL_S = 2.0  # status round trips to every service cost CPU the roles need
 
 
 class RoleFailed(RuntimeError):

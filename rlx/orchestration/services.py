@@ -40,7 +40,7 @@ def _rollout(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
             version, state = newer
             rollout.load_weights(state, version)
 
-    return rollout_worker(cfg, rollout, bus, stream, weights.version, sync_weights, cfg.train.max_staleness)
+    return rollout_worker(cfg, rollout, bus, stream, sync_weights, cfg.train.max_staleness)
 
 
 def _actor(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:

@@ -14,7 +14,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import fields as dataclass_fields
 from typing import Any, Callable
 
-from rlx.bus.core import BusTimeout
 from rlx.bus.loader import StreamingDataLoader
 from rlx.data.rows import PromptRow
 from rlx.data.sample import Sample
@@ -122,10 +121,7 @@ class RewardWorker(Worker):
             future.result()  # a bus failure inside a scoring thread stops this worker too
         finished_before = self.items
         room = self.batch_size - len(self.in_flight)
-        try:
-            rows, values = self.bus.get("reward", REWARD_INPUTS, max(room, 1), self.poll_timeout_s, partial=True)
-        except BusTimeout:
-            rows, values = [], {}
+        rows, values = self.bus.poll("reward", REWARD_INPUTS, max(room, 1), self.poll_timeout_s, partial=True)
         for row, sample in zip(rows, to_samples(rows, values)):
             self.in_flight.add(self.pool.submit(self._score_one, row, sample))
         if not rows and self.in_flight:
@@ -145,10 +141,9 @@ class AdvantagesWorker(Worker):
         self.group_size, self.groups_per_batch = group_size, groups_per_batch
 
     def work_once(self) -> int:
-        try:
-            rows, values = self.bus.get("advantages", ADVANTAGE_INPUTS, self.group_size * self.groups_per_batch,
-                                        self.poll_timeout_s, sampler=("group", self.group_size), partial=True)
-        except BusTimeout:
+        rows, values = self.bus.poll("advantages", ADVANTAGE_INPUTS, self.group_size * self.groups_per_batch,
+                                     self.poll_timeout_s, sampler=("group", self.group_size), partial=True)
+        if not rows:
             return 0
         samples = to_samples(rows, values)
         self._timed(lambda: self.role.compute(samples))
@@ -168,9 +163,8 @@ class LogProbWorker(Worker):
         self.inputs, self.output, self.before_batch = inputs, output, before_batch
 
     def work_once(self) -> int:
-        try:
-            rows, values = self.bus.get(self.name, self.inputs, self.batch_size, self.poll_timeout_s, partial=True)
-        except BusTimeout:
+        rows, values = self.bus.poll(self.name, self.inputs, self.batch_size, self.poll_timeout_s, partial=True)
+        if not rows:
             return 0
         self.before_batch()
         samples = to_samples(rows, values)
@@ -190,14 +184,14 @@ class RolloutWorker(Worker):
     decode steps.
     """
 
-    refresh_every_steps = 4
+    refresh_every_steps = 16  # a version check is a round trip to the weight store
 
     def __init__(self, role: Rollout, bus, stream: PromptStream, encode: Callable[[PromptRow], list[int]], n: int,
                  sampling: Callable[[int], SamplingParams], gate: StalenessGate,
-                 trainer_version: Callable[[], int], sync_weights: Callable[[], None], max_batch_size: int) -> None:
+                 sync_weights: Callable[[], None], max_batch_size: int) -> None:
         super().__init__("rollout")
         self.role, self.bus, self.stream, self.encode, self.n = role, bus, stream, encode, n
-        self.sampling, self.gate, self.trainer_version = sampling, gate, trainer_version
+        self.sampling, self.gate = sampling, gate
         self.sync_weights, self.max_batch_size = sync_weights, max_batch_size
         self._version, self._steps = 0, 0
 
@@ -208,7 +202,9 @@ class RolloutWorker(Worker):
 
     def _refresh(self) -> None:
         self.sync_weights()
-        self._version = self.trainer_version()
+        # Admission counts against the weights this engine actually generates with: counting against
+        # a newer published version the engine has not loaded yet would let staleness exceed the bound.
+        self._version = self.role.engine.weight_version
 
     def _between_steps(self) -> None:
         self._steps += 1

@@ -25,7 +25,7 @@ def test_slow_reward_does_not_stall_training(tiny_path, tmp_path):
     })
     c = build_components(config)
     bus = LocalBus()
-    workers = build_workers(c, bus, trainer_version=lambda: c.actor.version, sync_weights=lambda: None,
+    workers = build_workers(c, bus, sync_weights=lambda: None,
                             publish=c.sync_weights, max_staleness=0)
     accumulated_at: list[float] = []
     original = c.actor.accumulate

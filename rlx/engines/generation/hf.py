@@ -1,7 +1,9 @@
 """The built-in `hf` generation engine: continuous batching on any transformers causal LM.
 
-Up to `max_batch_size` sequences decode together in one KV cache. A finished row leaves the cache
-at once and its result is yielded at once (callers stream it onward); free slots are refilled with
+Up to `max_batch_size` sequences decode together in one KV cache. A finished row's result is
+yielded at once (callers stream it onward). Finished rows leave the cache in bulk, once a batch's
+worth of slots (1/8 of the batch) is free: removing rows copies the whole cache, and copying it at
+every finished row costs more than decoding a few dead rows. Free slots are then refilled with
 waiting requests, prefilled on their own and merged into the running cache, so a long tail never
 leaves the batch half empty while there is work to do.
 """
@@ -65,6 +67,7 @@ class _Row:
     version: int
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    done: bool = False
 
 
 @dataclass
@@ -76,6 +79,14 @@ class _Running:
     next_position: torch.Tensor  # [B, 1]
     logits: torch.Tensor  # [B, V] for the token each row samples next
     rows: list[_Row]
+
+    @property
+    def alive(self) -> list[int]:
+        return [i for i, row in enumerate(self.rows) if not row.done]
+
+    def compact(self) -> None:
+        if len(self.alive) < len(self.rows):
+            self.select(self.alive)
 
     def select(self, keep: list[int]) -> None:
         """Keep only these rows, then drop leading columns that are padding for every row left:
@@ -155,17 +166,22 @@ class HFGenerationEngine:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         pending = deque(requests)
         running: _Running | None = None
+        bulk = max(1, self.max_batch_size // 8)
         while True:
-            free = self.max_batch_size - (len(running.rows) if running else 0)
-            if refill is not None and free > len(pending):
+            alive = len(running.alive) if running else 0
+            free = self.max_batch_size - alive
+            if refill is not None and free > len(pending) and (free >= bulk or alive == 0):
                 pending.extend(refill(free - len(pending)))
-            if free > 0 and pending:
+            if pending and (free >= bulk or alive == 0):
                 admitted = self._prefill([pending.popleft() for _ in range(min(free, len(pending)))])
-                if running is None:
+                if running is None or alive == 0:
                     running = admitted
                 else:
+                    running.compact()
                     running.merge(admitted)
-            if running is None or not running.rows:
+            elif running is not None and len(running.rows) - alive >= bulk:
+                running.compact()
+            if running is None or not running.alive:
                 return
             yield from self._decode_step(running, params, generator)
             if between_steps is not None:
@@ -201,25 +217,23 @@ class HFGenerationEngine:
     def _decode_step(
         self, running: _Running, params: SamplingParams, generator: torch.Generator | None
     ) -> Iterator[GenerationResult]:
-        """Sample one token per row, retire finished rows, and run the model for the others."""
+        """Sample one token per live row, retire finished rows, and run the model one step."""
         tokens, token_logprobs = sample_next(running.logits, params, generator)
-        keep = []
         for index, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
             row = running.rows[index]
+            if row.done:  # a finished row waiting for the next bulk removal: its token is ignored
+                continue
             row.response.append(token)
             row.logprobs.append(logprob)
             if self._is_stop(token, row.response, params):
+                row.done = True
                 yield self._result(row, "stop")
             elif len(row.response) >= params.max_new_tokens:
+                row.done = True
                 yield self._result(row, "length")
-            else:
-                keep.append(index)
-        if len(keep) < len(running.rows):
-            running.select(keep)
-            tokens = tokens[torch.tensor(keep, dtype=torch.long, device=tokens.device)]
-        if not keep:
+        if not running.alive:
             return
-        running.attention = torch.cat([running.attention, running.attention.new_ones((len(keep), 1))], dim=1)
+        running.attention = torch.cat([running.attention, running.attention.new_ones((len(running.rows), 1))], dim=1)
         running.logits = self.model(
             input_ids=tokens[:, None], attention_mask=running.attention, position_ids=running.next_position,
             past_key_values=running.cache, use_cache=True,
