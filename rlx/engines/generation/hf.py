@@ -1,11 +1,11 @@
 """The built-in `hf` generation engine: continuous batching on any transformers causal LM.
 
 Up to `max_batch_size` sequences decode together in one KV cache. A finished row's result is
-yielded at once (callers stream it onward). Finished rows leave the cache in bulk, once a batch's
-worth of slots (1/8 of the batch) is free: removing rows copies the whole cache, and copying it at
-every finished row costs more than decoding a few dead rows. Free slots are then refilled with
-waiting requests, prefilled on their own and merged into the running cache, so a long tail never
-leaves the batch half empty while there is work to do.
+yielded at once (callers stream it onward). When nothing waits for a slot, finished rows leave the
+cache at once and the batch shrinks through the tail. When requests wait, finished rows stay
+(ignored) until 1/8 of the batch is free, then leave together and the free slots are refilled with
+waiting requests, prefilled on their own and merged into the running cache: removing and merging
+rows copies the whole cache, so doing it per finished row would cost more than a few dead rows.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class HFGenerationEngine:
                 running.compact()
             if running is None or not running.alive:
                 return
-            yield from self._decode_step(running, params, generator)
+            yield from self._decode_step(running, params, generator, shrink=refill is None and not pending)
             if between_steps is not None:
                 between_steps()
 
@@ -215,9 +215,12 @@ class HFGenerationEngine:
 
     @torch.inference_mode()
     def _decode_step(
-        self, running: _Running, params: SamplingParams, generator: torch.Generator | None
+        self, running: _Running, params: SamplingParams, generator: torch.Generator | None, shrink: bool
     ) -> Iterator[GenerationResult]:
-        """Sample one token per live row, retire finished rows, and run the model one step."""
+        """Sample one token per live row, retire finished rows, and run the model one step.
+
+        `shrink`: drop finished rows now (nothing waits to take their slots, so the batch only
+        shrinks); otherwise they stay, ignored, until slots are refilled in bulk."""
         tokens, token_logprobs = sample_next(running.logits, params, generator)
         for index, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
             row = running.rows[index]
@@ -233,6 +236,10 @@ class HFGenerationEngine:
                 yield self._result(row, "length")
         if not running.alive:
             return
+        if shrink and len(running.alive) < len(running.rows):
+            keep = running.alive
+            running.select(keep)
+            tokens = tokens[torch.tensor(keep, dtype=torch.long, device=tokens.device)]
         running.attention = torch.cat([running.attention, running.attention.new_ones((len(running.rows), 1))], dim=1)
         running.logits = self.model(
             input_ids=tokens[:, None], attention_mask=running.attention, position_ids=running.next_position,
