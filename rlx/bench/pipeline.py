@@ -1,9 +1,9 @@
 """Colocate vs async (on- and off-policy) on identical work, measured side by side in one run.
 
 Same model, prompts, samples per step, steps, engine and sampling settings in every mode. The
-response lengths follow a long tail: the model is a random-init Llama whose sampled characters
-end a response with about 5% probability per token (five stop tokens out of ~100), so most answers
-are short and a few run to the length cap, as in RL on reasoning tasks.
+response lengths follow a long tail: the model is a random-init Llama and one character ('a') ends
+a response, so lengths are roughly geometric (mean about 40 tokens) with a tail towards the
+256-token cap, as in RL on reasoning tasks.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ def bench_config(mode: str, staleness: int, work_dir: Path, model: Path, data: P
     return build_config({
         "model": {"path": str(model)},
         "data": {"source": "jsonl", "path": str(data), "eval_size": 0},
-        "rollout": {"n": 8, "prompts_per_step": 8, "max_new_tokens": 160, "max_batch_size": 64,
-                    "stop_token_ids": tokenizer.convert_tokens_to_ids(list("aeiou"))},
+        "rollout": {"n": 8, "prompts_per_step": 8, "max_new_tokens": 256, "max_batch_size": 64,
+                    "stop_token_ids": tokenizer.convert_tokens_to_ids(["a"])},
         "reward": {"name": "exact_match", "extract": "none"},
         "algorithm": {"filter_zero_std_groups": False},
         "train": {"mode": mode, "max_staleness": staleness, "steps": steps, "lr": 1e-5, "micro_batch_size": 16,
