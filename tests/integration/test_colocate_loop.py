@@ -28,7 +28,7 @@ def toy_config(tiny_path, tmp_path, **overrides):
     }
     for key, value in overrides.items():
         section, leaf = key.split("__")
-        raw[section][leaf] = value
+        raw.setdefault(section, {})[leaf] = value
     return build_config(raw)
 
 

@@ -1,0 +1,42 @@
+"""Decoupled PPO plumbing: ActorFwd writes proximal log-probs to the bus, the Actor trains against them."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlx.bus import LocalBus
+from rlx.orchestration.builder import (
+    actor_fwd_worker,
+    actor_worker,
+    build_actor_fwd,
+    build_components,
+    build_workers,
+)
+from tests.integration.test_colocate_loop import toy_config
+
+
+def test_actor_fwd_log_probs_drive_the_ratio(tiny_path, tmp_path):
+    config = toy_config(tiny_path, tmp_path, algorithm__behavior_correction="decoupled")
+    c = build_components(config)
+    bus = LocalBus()
+    workers = build_workers(c, bus, sync_weights=lambda: None, publish=c.sync_weights, max_staleness=0)
+    actor_fwd = build_actor_fwd(config, tiny_path)
+    fwd = actor_fwd_worker(config, actor_fwd, bus, sync_weights=lambda: None)
+    trainer = actor_worker(config, c.actor, bus, publish=c.sync_weights, max_staleness=0, with_actor_fwd=True)
+
+    workers.rollout.generate(config.rollout.prompts_per_step)
+    workers.reward.drain()
+    workers.advantages.drain()
+    assert fwd.drain() == 32  # every sample gets proximal log-probs, filtered or not
+    same = trainer.train_step()
+    # ActorFwd held the trainer's weights when it scored these samples: the ratio is exactly 1
+    assert same["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+
+    workers.rollout.generate(config.rollout.prompts_per_step)  # the next step: the trainer has moved on,
+    workers.reward.drain()                                     # ActorFwd still holds the initial weights
+    workers.advantages.drain()
+    fwd.drain()
+    metrics = trainer.train_step()
+    assert abs(metrics["ratio_mean"] - 1.0) > 1e-3, "the ratio must be taken against ActorFwd's log-probs"
+    assert metrics["trained_samples"] + metrics.get("filtered_zero_std_group", 0) == 32
+    assert metrics["grad_norm"] > 0
