@@ -131,3 +131,35 @@ def test_overlong_penalty_ramps_down_to_the_cap():
     assert overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
     assert overlong_penalty(100, 100, 20, 1.0) == pytest.approx(-1.0)
     assert overlong_penalty(100, 100, 0, 1.0) == 0.0
+
+
+def test_gae_by_hand():
+    from rlx.algorithms.values import gae
+
+    # one sequence of 3 tokens then padding; reward 1 on the last token; V = [0.5, 0.6, 0.7]
+    # gamma = 1, lam = 1: A_2 = 1 - 0.7 = 0.3 ; A_1 = (0.7 - 0.6) + 0.3 = 0.4 ; A_0 = (0.6 - 0.5) + 0.4 = 0.5
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    adv, ret = gae(rewards, values, mask)
+    assert adv[0].tolist() == pytest.approx([0.5, 0.4, 0.3, 0.0])
+    assert ret[0].tolist() == pytest.approx([1.0, 1.0, 1.0, 0.0])
+    # gamma = 0.5, lam = 0.5: A_2 = 0.3 ; A_1 = (0.5*0.7 - 0.6) + 0.25*0.3 = -0.175 ; A_0 = (0.3 - 0.5) + 0.25*-0.175
+    adv, _ = gae(rewards, values, mask, gamma=0.5, lam=0.5)
+    assert adv[0, :3].tolist() == pytest.approx([-0.24375, -0.175, 0.3])
+
+
+def test_clipped_value_loss_by_hand():
+    from rlx.algorithms.values import clipped_value_loss
+
+    # V = 2, V_old = 1, R = 3, clip 0.2: unclipped 0.5*(2-3)^2 = 0.5 ; clipped V' = 1.2 -> 0.5*1.8^2 = 1.62
+    loss = clipped_value_loss(torch.tensor([2.0]), torch.tensor([1.0]), torch.tensor([3.0]), 0.2)
+    assert loss.item() == pytest.approx(1.62)
+
+
+def test_reverse_kl_advantages():
+    from rlx.algorithms.distill import reverse_kl_advantages
+
+    student, teacher = torch.tensor([[-1.0, -3.0]]), torch.tensor([[-2.0, -1.0]])
+    assert reverse_kl_advantages(student, teacher).tolist() == [[-1.0, 2.0]]
+    assert reverse_kl_advantages(student, teacher, torch.ones(1, 2), coef=0.5).tolist() == [[0.5, 2.0]]
