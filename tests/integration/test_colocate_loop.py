@@ -65,3 +65,12 @@ def test_resume_continues_with_same_data_order_and_weights(tiny_path, tmp_path):
     rewards_a = [r["reward_mean"] for r in read_metrics(straight) if "reward_mean" in r]
     rewards_b = [r["reward_mean"] for r in read_metrics(resumed) if "reward_mean" in r]
     assert rewards_a == rewards_b
+
+
+def test_kl_to_reference_flows_through_the_reference_role(tiny_path, tmp_path):
+    config = toy_config(tiny_path, tmp_path, train__steps=3, algorithm__kl_coef=0.5, algorithm__kl_type="k3")
+    records = read_metrics(run_colocate(config, echo=lambda _: None))
+    kls = [r["kl"] for r in records if "kl" in r]
+    assert len(kls) >= 2 and abs(kls[0]) < 1e-6  # the first step starts at the reference
+    assert max(kls[1:]) > 0  # after an update the policy has moved away from the reference
+    assert all("time_reference_s" in r for r in records if "kl" in r)
