@@ -28,7 +28,6 @@ from rlx.orchestration.workers import (
     LogProbWorker,
     RewardWorker,
     RolloutWorker,
-    Worker,
 )
 from rlx.rewards import build_reward
 from rlx.roles import Actor, ActorFwd, Advantages, Reference, Reward, Rollout
@@ -143,9 +142,6 @@ class Workers:
     advantages: AdvantagesWorker
     reference: LogProbWorker | None
     actor: ActorWorker
-
-    def all(self) -> list[Worker]:
-        return [w for w in (self.rollout, self.reward, self.advantages, self.reference, self.actor) if w is not None]
 
 
 def staleness_gate(config: RunConfig, max_staleness: int) -> StalenessGate:

@@ -91,3 +91,12 @@ class BusMachine(RuleBasedStateMachine):
 
 TestBusMachine = BusMachine.TestCase
 TestBusMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_released_rows_go_back_to_the_task_only():
+    bus = BusIndex(capacity=4)
+    rows = bus.add_rows({"x": [1, 2]}, group_ids=[0, 0], num_tokens=[1, 1])
+    assert bus.take("reward", ["x"], 2) == rows and bus.take("train", ["x"], 2) == rows
+    bus.release("reward", rows[:1])  # the reward replica that held row 0 died before finishing it
+    assert bus.take("reward", ["x"], 2, partial=True) == rows[:1]
+    assert bus.take("train", ["x"], 1, partial=True) == []
