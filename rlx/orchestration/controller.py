@@ -110,9 +110,7 @@ class DriverEvaluator:
         self.encode = prompt_encoder(config, self.rollout.tokenizer)
 
     def __call__(self) -> dict[str, float]:
-        newer = self.weights.fetch_newer(than=self.rollout.engine.weight_version)
-        if newer is not None:
-            self.rollout.load_weights(newer[1], newer[0])
+        self.weights.pull(self.rollout.engine.weight_version, self.rollout.load_weights)
         metrics = evaluate(self.rollout, self.reward, self.rows, self.encode,
                            sampling_params(self.config, seed=0, greedy=True))
         return {**metrics, "eval_weight_version": float(self.rollout.engine.weight_version)}

@@ -33,14 +33,9 @@ from rlx.weights.store import WeightStore
 def _rollout(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
     rollout = build_rollout(cfg, model_path(cfg))
     stream = PromptStream(load_splits(cfg.data)[0], seed=cfg.data.seed)
-
-    def sync_weights() -> None:
-        newer = weights.fetch_newer(than=rollout.engine.weight_version)
-        if newer is not None:
-            version, state = newer
-            rollout.load_weights(state, version)
-
-    return rollout_worker(cfg, rollout, bus, stream, sync_weights, cfg.train.max_staleness)
+    return rollout_worker(cfg, rollout, bus, stream,
+                          lambda: weights.pull(rollout.engine.weight_version, rollout.load_weights),
+                          cfg.train.max_staleness)
 
 
 def _actor(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
@@ -53,13 +48,8 @@ def _actor(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
 
 def _actor_fwd(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
     actor_fwd = build_actor_fwd(cfg, model_path(cfg))
-
-    def sync_weights() -> None:
-        newer = weights.fetch_newer(than=actor_fwd.weight_version)
-        if newer is not None:
-            actor_fwd.load_weights(newer[1], newer[0])
-
-    return actor_fwd_worker(cfg, actor_fwd, bus, sync_weights)
+    return actor_fwd_worker(cfg, actor_fwd, bus,
+                            lambda: weights.pull(actor_fwd.weight_version, actor_fwd.load_weights))
 
 
 def uses_actor_fwd(cfg: RunConfig) -> bool:

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import fields as dataclass_fields
+from pathlib import Path
 from typing import Any, Callable
 
 from rlx.bus.loader import StreamingDataLoader
@@ -304,8 +305,6 @@ class ActorWorker(Worker):
         return {**super().status(), "version": self.role.version, "steps": reported}
 
     def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> str:
-        from pathlib import Path
-
         with self.lock:
             return str(self.role.engine.save_checkpoint(Path(directory), extra_state))
 

@@ -7,6 +7,8 @@ fetch_newer(than).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import ray
 import torch
 
@@ -48,3 +50,9 @@ class WeightStore:
         if version <= than or not refs:
             return None
         return version, ray.get(refs[0])
+
+    def pull(self, current_version: int, load: Callable[[dict[str, torch.Tensor], int], None]) -> None:
+        """Load the latest weights through `load(state_dict, version)` if they are newer than ours."""
+        newer = self.fetch_newer(than=current_version)
+        if newer is not None:
+            load(newer[1], newer[0])
