@@ -81,15 +81,35 @@ class RolloutConfig(Section):
     max_batch_size: int = Field(64, ge=1, description="sequences decoded together")
 
 
+class JudgeConfig(Section):
+    """The GenRM judge: a generation engine of its own scores each response from a prompt."""
+
+    model: str = Field("smollm2-135m-instruct", description="judge model: built-in name or HF folder")
+    prompt: str = Field(
+        "Question: {question}\nReference answer: {label}\nCandidate answer: {response}\n"
+        "Does the candidate answer match the reference answer? Reply with yes or no.",
+        description="judge prompt; fields {question}, {response}, {label}")
+    parser: str = Field("yes_no", description="yes_no, score (a number divided by max_score) or module:function")
+    max_score: float = Field(10.0, gt=0.0, description="the score parser divides by this")
+    max_new_tokens: int = Field(8, ge=1)
+    max_batch_size: int = Field(32, ge=1)
+
+
 class RewardConfig(Section):
-    name: str = Field("reasoning_gym", description="built-in reward or `module:function`")
+    name: str = Field("reasoning_gym", description="built-in reward, `genrm` (a judge model) or `module:function`")
     extract: Literal["last_number", "answer_tag", "boxed", "none"] = "last_number"
+    scope: Literal["sample", "group"] = Field(
+        "sample", description="a custom reward scores one response (fn(completion, label, metadata)) or a whole "
+        "group (fn(completions, label, metadata) -> list of scores)")
+    timeout_s: float = Field(60.0, gt=0.0, description="a reward call running longer fails its samples")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment over the last N tokens (0: off)")
     overlong_penalty: float = Field(1.0, ge=0.0, description="penalty at the length cap")
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "none"] = Field(
+        "grpo", description="gae: PPO with a critic (section `critic`); none: no task advantage (distillation only)")
     policy_loss: Literal["clipped", "gspo", "sapo", "cispo"] = "clipped"
     norm_std: bool = Field(True, description="divide GRPO advantages by the group std (false: Dr.GRPO)")
     clip_low: float = Field(0.2, ge=0.0, le=1.0)
@@ -107,10 +127,32 @@ class AlgorithmConfig(Section):
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     loss_horizon: int = Field(1024, ge=1, description="constant divisor of seq-mean-token-sum (Dr.GRPO)")
     filter_zero_std_groups: bool = Field(True, description="skip groups whose rewards are all equal")
+    dynamic_sampling: bool = Field(False, description="DAPO: refill the step with new groups for those filtered")
+    max_groups_per_step: float = Field(3.0, ge=1.0, description="dynamic sampling stops a step after this many "
+                                       "times prompts_per_step groups, trainable or not")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="GAE discount")
+    lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda")
+    whiten_advantages: bool = Field(True, description="GAE: normalise token advantages over each batch")
     behavior_correction: Literal["none", "tis", "decoupled"] = Field(
         "none", description="off-policy correction against the rollout log-probs: tis (truncated importance "
         "sampling) or decoupled (PPO ratio against ActorFwd's proximal policy, weight proximal/behaviour)")
     tis_cap: float = Field(2.0, ge=1.0, description="truncation of the importance weight")
+
+
+class CriticConfig(Section):
+    """The value model of PPO (`algorithm.advantage=gae`): its own engine and optimizer."""
+
+    path: str | None = Field(None, description="initial weights: a built-in name or HF folder (default: model.path)")
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    value_clip: float = Field(0.2, gt=0.0, description="clip of the value update around the old values")
+    grad_clip: float = Field(1.0, gt=0.0)
+
+
+class TeacherConfig(Section):
+    """On-policy distillation: a Teacher role scores the student's sampled tokens."""
+
+    path: str | None = Field(None, description="teacher model: built-in name or HF folder; unset = no teacher")
+    coef: float = Field(1.0, gt=0.0, description="weight of the reverse-KL advantage")
 
 
 class TrainConfig(Section):
@@ -149,6 +191,9 @@ class ResourcesConfig(Section):
     advantages: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.1))
     reference: RoleResources = Field(default_factory=RoleResources)
     actor_fwd: RoleResources = Field(default_factory=RoleResources)
+    critic: RoleResources = Field(default_factory=RoleResources)
+    teacher: RoleResources = Field(default_factory=RoleResources)
+    genrm: RoleResources = Field(default_factory=RoleResources)
 
 
 class LoggingConfig(Section):
@@ -164,9 +209,32 @@ class RunConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _choices_fit_together(self) -> RunConfig:
+        problems = choice_conflicts(self)
+        if problems:
+            raise ValueError("\n  ".join(problems))
+        return self
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algorithm.advantage == "gae"
+
+    @property
+    def uses_teacher(self) -> bool:
+        return self.teacher.path is not None
+
+    @property
+    def filters_zero_std_groups(self) -> bool:
+        """Equal rewards teach nothing only when the advantage is relative to the group's rewards."""
+        a = self.algorithm
+        return a.filter_zero_std_groups and a.advantage in GROUP_RELATIVE and not self.uses_teacher
 
     @property
     def run_dir(self) -> Path:
@@ -174,6 +242,34 @@ class RunConfig(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+GROUP_RELATIVE = ("grpo", "rloo", "reinforce_pp_baseline")
+
+
+def choice_conflicts(c: RunConfig) -> list[str]:
+    """Algorithm, role and reward choices that cannot work together, each with its fix."""
+    a, problems = c.algorithm, []
+    if a.advantage == "none" and not c.uses_teacher:
+        problems.append("algorithm.advantage=none trains on nothing without a teacher: set teacher.path=<model> "
+                        "for on-policy distillation, or pick an advantage such as grpo")
+    if a.advantage in GROUP_RELATIVE and c.rollout.n < 2:
+        problems.append(f"algorithm.advantage={a.advantage} compares responses within a group: set rollout.n>=2, "
+                        "or use advantage=gae (PPO with a critic) or reinforce_pp")
+    if a.dynamic_sampling and not c.filters_zero_std_groups:
+        problems.append("algorithm.dynamic_sampling refills groups dropped for equal rewards: it needs "
+                        "algorithm.filter_zero_std_groups=true, a group-relative advantage (grpo, rloo, "
+                        "reinforce_pp_baseline) and no teacher")
+    if c.critic.path is not None and not c.uses_critic:
+        problems.append(f"critic.path is set but algorithm.advantage={a.advantage} uses no critic: "
+                        "set algorithm.advantage=gae for PPO, or remove critic.path")
+    if a.policy_loss == "gspo" and (a.advantage == "gae" or c.uses_teacher):
+        problems.append("algorithm.policy_loss=gspo needs one advantage per sequence; gae and distillation give "
+                        "one per token: use policy_loss=clipped")
+    if c.reward.scope == "group" and ":" not in c.reward.name:
+        problems.append(f"reward.scope=group needs a custom group reward (module:function); {c.reward.name!r} "
+                        "scores one response at a time: set reward.scope=sample")
+    return problems
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -205,7 +301,9 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
 
 def _describe(error: dict[str, Any]) -> str:
     loc = tuple(error["loc"])
-    key = ".".join(str(p) for p in loc) or "<root>"
+    if not loc:  # a cross-field check: its message names the keys itself
+        return error["msg"].removeprefix("Value error, ")
+    key = ".".join(str(p) for p in loc)
     if error["type"] == "extra_forbidden":
         allowed = _allowed_keys(loc)
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)

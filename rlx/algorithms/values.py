@@ -29,3 +29,11 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     """Per-token 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), as in PPO."""
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the entries where mask is 1 (population std); 0 elsewhere."""
+    count = mask.sum().clamp(min=1.0)
+    mean = (values * mask).sum() / count
+    var = (((values - mean) * mask) ** 2).sum() / count
+    return (values - mean) * torch.rsqrt(var + eps) * mask

@@ -117,6 +117,10 @@ class BusIndex:
         self.clear(done)
         return done
 
+    def count(self, name: str, amount: int) -> None:
+        """Add to a named counter that roles share through the bus (reported as `bus_<name>`)."""
+        self.stats[name] += amount
+
     def metrics(self) -> dict[str, float]:
         now = time.monotonic()
         ages = [now - r.created_at for r in self.rows.values()]

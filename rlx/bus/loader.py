@@ -21,10 +21,14 @@ class BusLike(Protocol):
 class StreamingDataLoader:
     def __init__(self, bus: BusLike, task: str, fields: list[str], micro_batch_size: int, rows_per_step: int,
                  timeout: float | None = None, sampler: SamplerSpec | None = None,
-                 should_stop: Callable[[], bool] = lambda: False) -> None:
+                 should_stop: Callable[[], bool] = lambda: False,
+                 counts: Callable[[dict[str, list]], int] | None = None, max_rows: int | None = None) -> None:
+        """A step is `rows_per_step` rows, or, with `counts`, rows until `counts(values)` of each micro-batch
+        add up to `rows_per_step` (e.g. only trainable rows count) or `max_rows` rows went by."""
         self.bus, self.task, self.fields = bus, task, fields
         self.micro_batch_size, self.rows_per_step = micro_batch_size, rows_per_step
         self.timeout, self.sampler, self.should_stop = timeout, sampler, should_stop
+        self.counts, self.max_rows = counts, max_rows
 
     def _next(self, batch_size: int) -> tuple[list[int], dict[str, list]]:
         """Wait in short polls so a stop request is noticed; give up after `timeout` in total."""
@@ -39,8 +43,9 @@ class StreamingDataLoader:
                 return self.bus.get(self.task, self.fields, batch_size, 0.0, self.sampler)
 
     def __iter__(self) -> Iterator[tuple[list[int], dict[str, list]]]:
-        remaining = self.rows_per_step
-        while remaining > 0:
+        remaining, seen = self.rows_per_step, 0
+        while remaining > 0 and (self.max_rows is None or seen < self.max_rows):
             rows, values = self._next(min(self.micro_batch_size, remaining))
-            remaining -= len(rows)
+            remaining -= len(rows) if self.counts is None else self.counts(values)
+            seen += len(rows)
             yield rows, values

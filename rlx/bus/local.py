@@ -87,6 +87,10 @@ class LocalBus:
             self.changed.notify_all()
             return done
 
+    def count(self, name: str, amount: int) -> None:
+        with self.changed:
+            self.index.count(name, amount)
+
     def metrics(self) -> dict[str, float]:
         with self.changed:
             return {**self.index.metrics(), **{f"bus_wait_s:{k}": v for k, v in self.wait_seconds.items()}}

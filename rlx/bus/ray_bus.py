@@ -90,6 +90,9 @@ class BusActor:
         await self._notify()
         return done
 
+    def count(self, name: str, amount: int) -> None:
+        self.index.count(name, amount)
+
     def metrics(self) -> dict[str, float]:
         return {**self.index.metrics(), **{f"bus_wait_s:{k}": v for k, v in self.wait_seconds.items()}}
 
@@ -162,6 +165,10 @@ class Bus:
 
     def clear_consumed(self, tasks: list[str]) -> list[int]:
         return ray.get(self.actor.clear_consumed.remote(tasks))
+
+    def count(self, name: str, amount: int) -> None:
+        """Add to a shared counter (e.g. groups dropped by dynamic sampling); fire and forget."""
+        self.actor.count.remote(name, amount)
 
     def metrics(self) -> dict[str, float]:
         return ray.get(self.actor.metrics.remote())

@@ -20,6 +20,13 @@ class PromptRow:
     label: str
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def question(self) -> str:
+        """The prompt as plain text: the text itself, or the last user message of a chat."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return next((m["content"] for m in reversed(self.prompt) if m.get("role") == "user"), "")
+
 
 def validate_row(raw: Any, where: str, prompt_key: str, label_key: str, metadata_key: str) -> PromptRow:
     """Turn one parsed record into a PromptRow or raise a DataError naming `where` (file:line)."""

@@ -18,12 +18,17 @@ class Sample:
     behavior_version: int = 0
     finish_reason: str = ""
     response_text: str = ""
+    prompt_text: str = ""  # the user's question, for judges (GenRM)
     label: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     loss_mask: list[float] | None = None
     reward: float | None = None
     reward_error: str | None = None
     advantage: float | None = None
+    token_advantages: list[float] | None = None  # per-token advantages (GAE, distillation) override `advantage`
+    values: list[float] | None = None  # the critic's value of the state before each response token
+    returns: list[float] | None = None  # the critic's regression targets
+    teacher_logprobs: list[float] | None = None  # the teacher's log-probs of the sampled tokens
     ref_logprobs: list[float] | None = None
     old_logprobs: list[float] | None = None  # proximal policy (ActorFwd), for decoupled PPO
     filter_reason: str | None = None  # why the sample is not trained on, if it is not

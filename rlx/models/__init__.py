@@ -60,16 +60,45 @@ def list_models(cache_dir: Path = CACHE_DIR) -> list[dict[str, str]]:
     return rows
 
 
-def load_pretrained(path: Path, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) from a Hugging Face folder; the tokenizer gets a pad token if it lacks one."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(path: Path):
+    """The folder's tokenizer, given a pad token (its EOS) if it lacks one."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_pretrained(path: Path, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer) from a Hugging Face folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
     return model, tokenizer
+
+
+def load_value_model(path: Path, device: str = "cpu"):
+    """A value model: the causal LM's backbone with a scalar head per token, zero-initialised so
+    every value starts at 0 (a neutral baseline) rather than at random noise."""
+    import torch
+    from transformers import AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the new head's "newly initialized weights" notice is expected
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, classifier_dropout=0.0,
+                                                                dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    with torch.no_grad():
+        model.score.weight.zero_()
+        if model.score.bias is not None:
+            model.score.bias.zero_()
+    return model.to(device)
 
 
 def eos_token_ids(model, tokenizer) -> tuple[int, ...]:

@@ -13,24 +13,28 @@ from typing import Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlx.config import RunConfig
+from rlx.config import ConfigError, RunConfig
 from rlx.data import PromptRow, PromptStream, load_splits
 from rlx.data.prompts import encode_prompt
 from rlx.engines.generation import SamplingParams, build_generation_engine
 from rlx.engines.training import TrainingEngine
-from rlx.models import eos_token_ids, load_pretrained, resolve_model_path
+from rlx.engines.training.forward import token_values
+from rlx.models import eos_token_ids, load_pretrained, load_tokenizer, load_value_model, resolve_model_path
 from rlx.orchestration.staleness import StalenessGate
 from rlx.orchestration.workers import (
     ACTOR_FWD_INPUTS,
+    ADVANTAGE_INPUTS,
     REFERENCE_INPUTS,
+    TEACHER_INPUTS,
     ActorWorker,
     AdvantagesWorker,
+    CriticWorker,
     LogProbWorker,
     RewardWorker,
     RolloutWorker,
 )
-from rlx.rewards import build_reward
-from rlx.roles import Actor, ActorFwd, Advantages, Reference, Reward, Rollout
+from rlx.rewards import build_judge_parser, build_reward
+from rlx.roles import Actor, ActorFwd, Advantages, Critic, GenRM, Reference, Reward, Rollout
 
 
 def prepare_process(config: RunConfig, threads: int | None = None) -> None:
@@ -57,14 +61,44 @@ def prompt_encoder(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Cal
                                      data.max_prompt_tokens)
 
 
-def build_rollout(config: RunConfig, path: Path) -> Rollout:
+def generation_engine(config: RunConfig, path: Path, max_batch_size: int):
     model, tokenizer = load_pretrained(path, config.model.dtype, config.resources.device)
     engine = build_generation_engine(
         config.rollout.engine, model=model, pad_token_id=tokenizer.pad_token_id,
-        eos_token_ids=eos_token_ids(model, tokenizer), tokenizer=tokenizer,
-        max_batch_size=config.rollout.max_batch_size,
+        eos_token_ids=eos_token_ids(model, tokenizer), tokenizer=tokenizer, max_batch_size=max_batch_size,
     )
-    return Rollout(engine, tokenizer)
+    return engine, tokenizer
+
+
+def build_rollout(config: RunConfig, path: Path) -> Rollout:
+    return Rollout(*generation_engine(config, path, config.rollout.max_batch_size))
+
+
+def build_genrm(config: RunConfig) -> GenRM:
+    judge = config.reward.judge
+    parse = build_judge_parser(judge.parser)  # a bad parser fails before the judge model loads
+    engine, tokenizer = generation_engine(config, resolve_model_path(judge.model), judge.max_batch_size)
+    params = SamplingParams(temperature=0.0, max_new_tokens=judge.max_new_tokens)
+    return GenRM(engine, tokenizer, judge.prompt, parse, judge.max_score, params)
+
+
+def build_critic(config: RunConfig) -> Critic:
+    path = resolve_model_path(config.critic.path or config.model.path)
+    tokenizer = load_tokenizer(path)
+    train = config.train.model_copy(update={"lr": config.critic.lr, "grad_clip": config.critic.grad_clip})
+    engine = TrainingEngine(load_value_model(path, config.resources.device), tokenizer, train,
+                            config.rollout.temperature, forward=token_values)
+    return Critic(engine, tokenizer.pad_token_id, config.critic.value_clip)
+
+
+def build_teacher(config: RunConfig, student_vocab: int) -> Reference:
+    model, tokenizer = load_pretrained(resolve_model_path(config.teacher.path), config.model.dtype,
+                                       config.resources.device)
+    if model.config.vocab_size != student_vocab:
+        raise ConfigError(f"teacher.path={config.teacher.path!r} has a vocabulary of {model.config.vocab_size} tokens "
+                          f"and the student {student_vocab}: distillation scores the student's tokens, so both "
+                          "need the same tokenizer")
+    return Reference(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size)
 
 
 def build_actor(config: RunConfig, path: Path) -> Actor:
@@ -85,10 +119,13 @@ def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd:
     return ActorFwd(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size)
 
 
-def build_reward_role(config: RunConfig) -> Reward:
+def build_reward_role(config: RunConfig) -> Reward | GenRM:
     r = config.reward
+    if r.name == "genrm":
+        return build_genrm(config)
     return Reward(build_reward(r.name, r.extract), max_length=config.rollout.max_new_tokens,
-                  overlong_buffer=r.overlong_buffer, overlong_factor=r.overlong_penalty)
+                  overlong_buffer=r.overlong_buffer, overlong_factor=r.overlong_penalty, scope=r.scope,
+                  timeout_s=r.timeout_s)
 
 
 @dataclass
@@ -98,10 +135,12 @@ class Components:
     config: RunConfig
     tokenizer: PreTrainedTokenizerBase
     rollout: Rollout
-    reward: Reward
+    reward: Reward | GenRM
     advantages: Advantages
     actor: Actor
     reference: Reference | None
+    critic: Critic | None
+    teacher: Reference | None
     train_stream: PromptStream
     eval_rows: list[PromptRow]
 
@@ -127,12 +166,19 @@ def build_components(config: RunConfig) -> Components:
         tokenizer=rollout.tokenizer,
         rollout=rollout,
         reward=reward,
-        advantages=Advantages(config.algorithm),
+        advantages=build_advantages(config),
         actor=build_actor(config, path),
         reference=build_reference(config, path),
+        critic=build_critic(config) if config.uses_critic else None,
+        teacher=build_teacher(config, len(rollout.tokenizer)) if config.uses_teacher else None,
         train_stream=PromptStream(train_rows, seed=config.data.seed),
         eval_rows=eval_rows,
     )
+
+
+def build_advantages(config: RunConfig) -> Advantages:
+    return Advantages(config.algorithm, filter_zero_std=config.filters_zero_std_groups,
+                      distill_coef=config.teacher.coef if config.uses_teacher else None)
 
 
 @dataclass
@@ -141,6 +187,8 @@ class Workers:
     reward: RewardWorker
     advantages: AdvantagesWorker
     reference: LogProbWorker | None
+    critic: CriticWorker | None
+    teacher: LogProbWorker | None
     actor: ActorWorker
 
 
@@ -154,15 +202,44 @@ def rollout_worker(config: RunConfig, rollout: Rollout, bus, stream: PromptStrea
     return RolloutWorker(rollout, bus, stream, prompt_encoder(config, rollout.tokenizer), r.n,
                          lambda started: sampling_params(config, seed=seed * 100_003 + started),
                          staleness_gate(config, max_staleness), sync_weights,
-                         max_batch_size=r.max_batch_size)
+                         max_batch_size=r.max_batch_size, refill_dropped=config.algorithm.dynamic_sampling)
+
+
+def final_tasks(config: RunConfig) -> list[str]:
+    """The last consumers of a row: it is cleared from the bus once all of them took it."""
+    return ["train"] + (["critic_train"] if config.uses_critic else [])
 
 
 def actor_worker(config: RunConfig, actor: Actor, bus, publish: Callable[[], None], max_staleness: int,
                  with_actor_fwd: bool = False, max_steps: int | None = None) -> ActorWorker:
-    r, t = config.rollout, config.train
-    extra = (["ref_logprobs"] if config.algorithm.kl_coef > 0 else []) + (["old_logprobs"] if with_actor_fwd else [])
-    return ActorWorker(actor, bus, r.prompts_per_step * r.n, t.micro_batch_size, staleness_gate(config, max_staleness),
-                       extra_fields=extra, timeout_s=t.step_timeout_s, publish=publish, max_steps=max_steps)
+    r, t, a = config.rollout, config.train, config.algorithm
+    extra = ((["ref_logprobs"] if a.kl_coef > 0 else []) + (["old_logprobs"] if with_actor_fwd else [])
+             + (["teacher_logprobs"] if config.uses_teacher else []))
+    rows = r.prompts_per_step * r.n
+    return ActorWorker(actor, bus, rows, t.micro_batch_size, staleness_gate(config, max_staleness),
+                       extra_fields=extra, timeout_s=t.step_timeout_s, publish=publish, max_steps=max_steps,
+                       final_tasks=final_tasks(config),
+                       dynamic_max_rows=int(rows * a.max_groups_per_step) if a.dynamic_sampling else None)
+
+
+def advantages_worker(config: RunConfig, advantages: Advantages, bus) -> AdvantagesWorker:
+    inputs = (ADVANTAGE_INPUTS + (["values"] if config.uses_critic else [])
+              + (["teacher_logprobs", "rollout_logprobs", "response_ids"] if config.uses_teacher else []))
+    return AdvantagesWorker(advantages, bus, config.rollout.n, inputs)
+
+
+def reward_worker(config: RunConfig, reward: Reward | GenRM, bus) -> RewardWorker:
+    unit = "batch" if config.reward.name == "genrm" else config.reward.scope
+    return RewardWorker(reward, bus, unit=unit, group_size=config.rollout.n)
+
+
+def critic_worker(config: RunConfig, critic: Critic, bus) -> CriticWorker:
+    r = config.rollout
+    return CriticWorker(critic, bus, r.prompts_per_step * r.n, config.train.micro_batch_size, final_tasks(config))
+
+
+def teacher_worker(config: RunConfig, teacher: Reference, bus) -> LogProbWorker:
+    return LogProbWorker("teacher", teacher, bus, config.train.micro_batch_size, TEACHER_INPUTS, "teacher_logprobs")
 
 
 def reference_worker(config: RunConfig, reference: Reference, bus) -> LogProbWorker:
@@ -181,8 +258,10 @@ def build_workers(c: Components, bus, sync_weights: Callable[[], None],
     cfg = c.config
     return Workers(
         rollout=rollout_worker(cfg, c.rollout, bus, c.train_stream, sync_weights, max_staleness),
-        reward=RewardWorker(c.reward, bus),
-        advantages=AdvantagesWorker(c.advantages, bus, group_size=cfg.rollout.n),
+        reward=reward_worker(cfg, c.reward, bus),
+        advantages=advantages_worker(cfg, c.advantages, bus),
         reference=reference_worker(cfg, c.reference, bus) if c.reference is not None else None,
+        critic=critic_worker(cfg, c.critic, bus) if c.critic is not None else None,
+        teacher=teacher_worker(cfg, c.teacher, bus) if c.teacher is not None else None,
         actor=actor_worker(cfg, c.actor, bus, publish, max_staleness),
     )

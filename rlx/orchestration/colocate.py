@@ -36,24 +36,51 @@ class PhaseTimer:
         return {f"time_{k}_s": v for k, v in self.seconds.items()}
 
 
-def train_one_step(workers: Workers) -> dict[str, float]:
-    """Generate one step's groups, then score, advantage, (reference) and train them, in order."""
-    timer = PhaseTimer()
-    rollout = workers.rollout
-    with timer("rollout"):
-        rollout.generate(workers.actor.rows_per_step // rollout.n)
+def score_new_samples(workers: Workers, timer: PhaseTimer) -> None:
+    """Everything between generation and training, in dataflow order (see DESIGN.md)."""
     with timer("reward"):
         workers.reward.drain()
+    for phase, worker in (("critic", workers.critic), ("teacher", workers.teacher)):
+        if worker is not None:
+            with timer(phase):
+                worker.drain()  # values / teacher log-probs: advantages need them
     with timer("advantages"):
         workers.advantages.drain()
     if workers.reference is not None:
         with timer("reference"):
             workers.reference.drain()
+
+
+def generate_step(workers: Workers, config: RunConfig, timer: PhaseTimer) -> int:
+    """Generate and score one step's groups; with dynamic sampling, replace the groups dropped for
+    equal rewards until the step has `prompts_per_step` useful ones or hits the cap. Returns groups made."""
+    wanted, algorithm = config.rollout.prompts_per_step, config.algorithm
+    cap = int(wanted * algorithm.max_groups_per_step) if algorithm.dynamic_sampling else wanted
+    made, dropped_before = 0, workers.advantages.dropped_groups
+    while made < cap:
+        count = min(wanted - (made - (workers.advantages.dropped_groups - dropped_before)), cap - made)
+        if count <= 0:
+            break
+        with timer("rollout"):
+            workers.rollout.generate(count)
+        made += count
+        score_new_samples(workers, timer)
+    return made
+
+
+def train_one_step(workers: Workers, config: RunConfig) -> dict[str, float]:
+    """Generate one step's groups, then score, advantage, (reference) and train them, in order."""
+    timer = PhaseTimer()
+    groups = generate_step(workers, config, timer)
+    rows = groups * config.rollout.n
     with timer("train"):
-        metrics = workers.actor.train_step()
-    metrics.update(timer.metrics(), time_step_s=sum(timer.seconds.values()))
-    generated = metrics["response_length"] * workers.actor.rows_per_step
-    metrics["gen_tokens_per_s"] = generated / max(timer.seconds["rollout"], 1e-9)
+        metrics = workers.actor.train_step(rows)
+    if workers.critic is not None:
+        with timer("critic_train"):
+            workers.critic.drain()
+        metrics.update(workers.critic.unreported.pop())
+    metrics.update(timer.metrics(), time_step_s=sum(timer.seconds.values()), groups_sampled=float(groups))
+    metrics["gen_tokens_per_s"] = metrics["response_length"] * rows / max(timer.seconds["rollout"], 1e-9)
     metrics["train_tokens_per_s"] = metrics["train_tokens"] / max(timer.seconds["train"], 1e-9)
     return metrics
 
@@ -75,6 +102,8 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
     if resume:
         checkpoint = latest_checkpoint(run_dir)
         state = c.actor.engine.load_checkpoint(checkpoint)
+        if c.critic is not None:
+            c.critic.engine.load_checkpoint(checkpoint / "critic")
         step, totals = state["loop_step"], Counter(state["totals"])
         c.train_stream.position = state["data_position"]
         c.sync_weights()
@@ -84,7 +113,9 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
 
     def save() -> None:
         state = {"loop_step": step, "data_position": c.train_stream.position, "totals": dict(totals)}
-        c.actor.engine.save_checkpoint(checkpoint_path(run_dir, step), state)
+        path = c.actor.engine.save_checkpoint(checkpoint_path(run_dir, step), state)
+        if c.critic is not None:  # stateful too: the value model and its optimizer
+            c.critic.engine.save_checkpoint(path / "critic", state)
 
     if not resume:
         writer.write(0, run_eval())
@@ -96,9 +127,9 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
             if budget is not None and time.perf_counter() - started > budget:
                 echo(f"time budget of {budget:.0f}s reached after {step} steps")
                 break
-            metrics = train_one_step(workers)
+            metrics = train_one_step(workers, config)
             totals.update({k.removeprefix("filtered_"): int(v) for k, v in metrics.items() if k.startswith("filtered_")},
-                          prompts=config.rollout.prompts_per_step,
+                          prompts=int(metrics["groups_sampled"]),
                           trained_samples=int(metrics["trained_samples"]))
             step += 1
             if eval_every and step % eval_every == 0 and step < config.train.steps:

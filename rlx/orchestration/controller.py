@@ -42,9 +42,13 @@ class RoleFailed(RuntimeError):
 
 def role_names(config: RunConfig) -> list[str]:
     """The roles this config needs, in start order (the Actor first: it publishes version 0)."""
-    roles = ["actor", "reward", "advantages"]
+    roles = ["actor", "genrm" if config.reward.name == "genrm" else "reward", "advantages"]
     if config.algorithm.kl_coef > 0:
         roles.append("reference")
+    if config.uses_critic:
+        roles.append("critic")
+    if config.uses_teacher:
+        roles.append("teacher")
     if uses_actor_fwd(config):
         roles.append("actor_fwd")
     return roles + ["rollout"]
@@ -134,14 +138,16 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
         writer.write(0, evaluator())
         for role in controller.handles:
             controller.call(role, "start")
-        step = 0
+        step, critic_steps = 0, []
         budget = config.train.time_budget_s
         while step < config.train.steps:
             time.sleep(POLL_S)
             statuses = controller.statuses()
             busy = {f"busy_{r}": s["busy_fraction"] for r, s in statuses.items()}
+            critic_steps.extend(statuses.get("critic", {}).get("steps", []))
             for metrics in statuses["actor"]["steps"]:
                 step += 1
+                metrics.update(critic_steps.pop(0) if critic_steps else {})
                 metrics.update(busy, wall_time_s=time.perf_counter() - started)
                 if config.train.eval_every and step % config.train.eval_every == 0 and step < config.train.steps:
                     metrics.update(evaluator())

@@ -12,21 +12,28 @@ from typing import Any, Callable
 from rlx.bus.ray_bus import Bus
 from rlx.config import RunConfig
 from rlx.data import PromptStream, load_splits
+from rlx.models import load_tokenizer
 from rlx.orchestration.builder import (
     actor_fwd_worker,
     actor_worker,
+    advantages_worker,
     build_actor,
     build_actor_fwd,
+    build_advantages,
+    build_critic,
     build_reference,
     build_reward_role,
     build_rollout,
+    build_teacher,
+    critic_worker,
     model_path,
     prepare_process,
     reference_worker,
+    reward_worker,
     rollout_worker,
+    teacher_worker,
 )
-from rlx.orchestration.workers import AdvantagesWorker, RewardWorker, Worker
-from rlx.roles import Advantages
+from rlx.orchestration.workers import Worker
 from rlx.weights.store import WeightStore
 
 
@@ -57,11 +64,22 @@ def uses_actor_fwd(cfg: RunConfig) -> bool:
     return cfg.algorithm.behavior_correction == "decoupled"
 
 
+def _teacher(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
+    return teacher_worker(cfg, build_teacher(cfg, len(load_tokenizer(model_path(cfg)))), bus)
+
+
+def _reward(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
+    return reward_worker(cfg, build_reward_role(cfg), bus)
+
+
 SERVICE_BUILDERS: dict[str, Callable[[RunConfig, Bus, WeightStore], Worker]] = {
     "rollout": _rollout,
-    "reward": lambda cfg, bus, weights: RewardWorker(build_reward_role(cfg), bus),
-    "advantages": lambda cfg, bus, weights: AdvantagesWorker(Advantages(cfg.algorithm), bus, cfg.rollout.n),
+    "reward": _reward,
+    "genrm": _reward,  # the judge model's own service, in the reward role's place
+    "advantages": lambda cfg, bus, weights: advantages_worker(cfg, build_advantages(cfg), bus),
     "reference": lambda cfg, bus, weights: reference_worker(cfg, build_reference(cfg, model_path(cfg)), bus),
+    "critic": lambda cfg, bus, weights: critic_worker(cfg, build_critic(cfg), bus),
+    "teacher": _teacher,
     "actor_fwd": _actor_fwd,
     "actor": _actor,
 }

@@ -21,18 +21,22 @@ from rlx.data.sample import Sample
 from rlx.data.stream import PromptStream
 from rlx.engines.generation.base import SamplingParams
 from rlx.orchestration.staleness import StalenessGate
-from rlx.roles import Actor, Advantages, Reference, Reward, Rollout
+from rlx.roles import Actor, Advantages, Critic, Reference, Rollout
 from rlx.roles.rollout import Group
 
 SAMPLE_FIELDS = {f.name for f in dataclass_fields(Sample)} - {"uid"}
 ROLLOUT_FIELDS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "behavior_version",
-                  "finish_reason", "response_text", "label", "metadata"]
-REWARD_INPUTS = ["group_id", "response_ids", "response_text", "label", "metadata"]
+                  "finish_reason", "response_text", "prompt_text", "label", "metadata"]
+REWARD_INPUTS = ["group_id", "response_ids", "response_text", "prompt_text", "label", "metadata"]
 ADVANTAGE_INPUTS = ["group_id", "reward", "reward_error"]
+ADVANTAGE_OUTPUTS = ["advantage", "token_advantages", "returns", "filter_reason"]
+CRITIC_INPUTS = ["group_id", "prompt_ids", "response_ids"]
+CRITIC_TRAIN_INPUTS = ["group_id", "prompt_ids", "response_ids", "values", "returns", "filter_reason"]
+TEACHER_INPUTS = ["group_id", "prompt_ids", "response_ids"]  # advantages wait for it: every sample
 REFERENCE_INPUTS = ["group_id", "prompt_ids", "response_ids", "filter_reason"]  # skips filtered samples
 ACTOR_FWD_INPUTS = ["group_id", "prompt_ids", "response_ids"]  # starts as soon as a sample exists
-TRAIN_INPUTS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "behavior_version", "finish_reason", "reward",
-                "reward_error", "advantage", "filter_reason"]
+TRAIN_INPUTS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "behavior_version", "finish_reason",
+                "reward", "reward_error", "advantage", "token_advantages", "filter_reason"]
 
 
 def to_samples(row_ids: list[int], values: dict[str, list]) -> list[Sample]:
@@ -102,60 +106,139 @@ class Worker(abc.ABC):
 
 class RewardWorker(Worker):
     """Scores samples concurrently and writes each reward as soon as it is known, so one slow
-    reward call delays only its own sample (and its group), never the rest of the batch."""
+    reward call delays only its own unit (a sample, a group, or a judge's batch), never the rest.
 
-    def __init__(self, role: Reward, bus, batch_size: int = 32, concurrency: int = 8) -> None:
+    `unit` is "sample" (rule and custom per-sample rewards), "group" (custom group rewards) or
+    "batch" (GenRM: one batched generation per call, one call at a time).
+    """
+
+    def __init__(self, role: Any, bus, unit: str = "sample", group_size: int = 1, batch_size: int = 32,
+                 concurrency: int = 8) -> None:
         super().__init__("reward")
-        self.role, self.bus, self.batch_size = role, bus, batch_size
-        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rlx-reward")
+        self.role, self.bus, self.unit, self.group_size = role, bus, unit, group_size
+        self.batch_size, self.concurrency = batch_size, 1 if unit == "batch" else concurrency
+        self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="rlx-reward")
         self.in_flight: set[Future] = set()
 
-    def _score_one(self, row: int, sample: Sample) -> None:
-        self._timed(lambda: self.role.score([sample]))
-        self.bus.put_fields([row], {"reward": [sample.reward], "reward_error": [sample.reward_error]})
-        self.items += 1
+    def _score(self, rows: list[int], samples: list[Sample]) -> None:
+        self._timed(lambda: self.role.score(samples))
+        self.bus.put_fields(rows, {"reward": [s.reward for s in samples],
+                                   "reward_error": [s.reward_error for s in samples]})
+        self.items += len(rows)
+
+    def _units(self, rows: list[int], samples: list[Sample]) -> list[tuple[list[int], list[Sample]]]:
+        if self.unit == "batch":
+            return [(rows, samples)]
+        if self.unit == "sample":
+            return [([row], [sample]) for row, sample in zip(rows, samples)]
+        by_group: dict[int, tuple[list[int], list[Sample]]] = {}
+        for row, sample in zip(rows, samples):
+            unit = by_group.setdefault(sample.group_id, ([], []))
+            unit[0].append(row)
+            unit[1].append(sample)
+        return list(by_group.values())
 
     def work_once(self) -> int:
-        """Hand newly ready rows to the pool; return how many finished since the last call."""
+        """Hand newly ready units to the pool; return how many rows finished or started since the last call."""
         for future in [f for f in self.in_flight if f.done()]:
             self.in_flight.discard(future)
             future.result()  # a bus failure inside a scoring thread stops this worker too
         finished_before = self.items
-        room = self.batch_size - len(self.in_flight)
-        rows, values = self.bus.poll("reward", REWARD_INPUTS, max(room, 1), self.poll_timeout_s, partial=True)
-        for row, sample in zip(rows, to_samples(rows, values)):
-            self.in_flight.add(self.pool.submit(self._score_one, row, sample))
+        room = self.concurrency - len(self.in_flight)
+        rows: list[int] = []
+        if room > 0:
+            size = {"sample": room, "group": room * self.group_size, "batch": self.batch_size}[self.unit]
+            sampler = ("group", self.group_size) if self.unit == "group" else None
+            rows, values = self.bus.poll("reward", REWARD_INPUTS, size, self.poll_timeout_s, sampler=sampler,
+                                         partial=True)
+            for unit_rows, unit_samples in self._units(rows, to_samples(rows, values) if rows else []):
+                self.in_flight.add(self.pool.submit(self._score, unit_rows, unit_samples))
         if not rows and self.in_flight:
             wait(self.in_flight, timeout=self.poll_timeout_s, return_when=FIRST_COMPLETED)
         return self.items - finished_before + len(rows)
 
     def drain(self) -> int:
-        total = super().drain()
-        wait(self.in_flight)
+        total = 0
+        while (done := super().drain()) > 0 or self.in_flight:
+            total += done
+            wait(self.in_flight)
         return total
 
 
 class AdvantagesWorker(Worker):
-    def __init__(self, role: Advantages, bus, group_size: int, groups_per_batch: int = 8) -> None:
+    """Whole groups in, advantages out; groups dropped for equal rewards are counted on the bus,
+    where dynamic sampling's admission control reads them."""
+
+    def __init__(self, role: Advantages, bus, group_size: int, inputs: list[str] = ADVANTAGE_INPUTS,
+                 groups_per_batch: int = 8) -> None:
         super().__init__("advantages")
-        self.role, self.bus = role, bus
+        self.role, self.bus, self.inputs = role, bus, inputs
         self.group_size, self.groups_per_batch = group_size, groups_per_batch
+        self.dropped_groups = 0
 
     def work_once(self) -> int:
-        rows, values = self.bus.poll("advantages", ADVANTAGE_INPUTS, self.group_size * self.groups_per_batch,
+        rows, values = self.bus.poll("advantages", self.inputs, self.group_size * self.groups_per_batch,
                                      self.poll_timeout_s, sampler=("group", self.group_size), partial=True)
         if not rows:
             return 0
         samples = to_samples(rows, values)
-        self._timed(lambda: self.role.compute(samples))
-        self.bus.put_fields(rows, {"advantage": [s.advantage for s in samples],
-                                   "filter_reason": [s.filter_reason for s in samples]})
+        result = self._timed(lambda: self.role.compute(samples))
+        self.bus.put_fields(rows, {name: [getattr(s, name) for s in samples] for name in ADVANTAGE_OUTPUTS})
+        if result.dropped_groups:
+            self.dropped_groups += result.dropped_groups
+            self.bus.count("groups_dropped", result.dropped_groups)
         self.items += len(rows)
         return len(rows)
 
 
+class CriticWorker(Worker):
+    """The Critic's two jobs, interleaved without blocking either: values for new samples (which
+    advantages wait on) and training steps on samples whose returns are known."""
+
+    def __init__(self, role: Critic, bus, rows_per_step: int, micro_batch_size: int, final_tasks: list[str]) -> None:
+        super().__init__("critic")
+        self.role, self.bus, self.final_tasks = role, bus, final_tasks
+        self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
+        self.remaining: int | None = None  # rows left in the open training step
+        self.unreported: list[dict[str, float]] = []
+
+    def _values(self) -> int:
+        rows, values = self.bus.poll("critic", CRITIC_INPUTS, self.micro_batch_size, self.poll_timeout_s, partial=True)
+        if rows:
+            out = self._timed(lambda: self.role.values(to_samples(rows, values)))
+            self.bus.put_fields(rows, {"values": out})
+        return len(rows)
+
+    def _train(self) -> int:
+        if self.remaining is None:
+            self.role.begin_step()
+            self.remaining = self.rows_per_step
+        rows, values = self.bus.poll("critic_train", CRITIC_TRAIN_INPUTS, min(self.micro_batch_size, self.remaining),
+                                     self.poll_timeout_s, partial=True)
+        if not rows:
+            return 0
+        trainable = [s for s in to_samples(rows, values) if s.filter_reason is None]
+        if trainable:
+            self._timed(lambda: self.role.accumulate(trainable))
+        self.bus.clear_consumed(self.final_tasks)
+        self.remaining -= len(rows)
+        if self.remaining <= 0:
+            self.unreported.append(self._timed(self.role.finish_step))
+            self.remaining = None
+        self.items += len(rows)
+        return len(rows)
+
+    def work_once(self) -> int:
+        return self._values() + self._train()
+
+    def status(self) -> dict[str, Any]:
+        reported, self.unreported = self.unreported, []
+        return {**super().status(), "steps": reported}
+
+
 class LogProbWorker(Worker):
-    """Forward-only log-probs of each trainable sample's response (Reference, ActorFwd)."""
+    """Forward-only log-probs of each sample's response (Reference and ActorFwd: trainable ones only;
+    Teacher: all, since advantages need them)."""
 
     def __init__(self, name: str, role: Reference, bus, batch_size: int, inputs: list[str], output: str,
                  before_batch: Callable[[], None] = lambda: None) -> None:
@@ -189,12 +272,13 @@ class RolloutWorker(Worker):
 
     def __init__(self, role: Rollout, bus, stream: PromptStream, encode: Callable[[PromptRow], list[int]], n: int,
                  sampling: Callable[[int], SamplingParams], gate: StalenessGate,
-                 sync_weights: Callable[[], None], max_batch_size: int) -> None:
+                 sync_weights: Callable[[], None], max_batch_size: int, refill_dropped: bool = False) -> None:
         super().__init__("rollout")
         self.role, self.bus, self.stream, self.encode, self.n = role, bus, stream, encode, n
         self.sampling, self.gate = sampling, gate
         self.sync_weights, self.max_batch_size = sync_weights, max_batch_size
-        self._version, self._steps = 0, 0
+        self.refill_dropped = refill_dropped
+        self._version, self._steps, self._dropped = 0, 0, 0
 
     @property
     def groups_started(self) -> int:
@@ -206,6 +290,8 @@ class RolloutWorker(Worker):
         # Admission counts against the weights this engine actually generates with: counting against
         # a newer published version the engine has not loaded yet would let staleness exceed the bound.
         self._version = self.role.engine.weight_version
+        if self.refill_dropped:  # dynamic sampling: a dropped group frees its place for a new one
+            self._dropped = int(self.bus.metrics().get("bus_groups_dropped", 0))
 
     def _between_steps(self) -> None:
         self._steps += 1
@@ -214,7 +300,7 @@ class RolloutWorker(Worker):
 
     def admit(self, max_groups: int) -> list[Group]:
         """Up to `max_groups` new groups, as many as the staleness gate allows now."""
-        count = min(max_groups, self.gate.groups_allowed(self.groups_started, self._version))
+        count = min(max_groups, self.gate.groups_allowed(self.groups_started - self._dropped, self._version))
         return [(index, row, self.encode(row)) for index, row in self.stream.take(count)]
 
     def _produce(self, groups: list[Group], continuous: bool) -> int:
@@ -252,25 +338,37 @@ class ActorWorker(Worker):
 
     def __init__(self, role: Actor, bus, rows_per_step: int, micro_batch_size: int, gate: StalenessGate,
                  extra_fields: list[str], timeout_s: float, publish: Callable[[], None],
-                 max_steps: int | None = None) -> None:
+                 max_steps: int | None = None, final_tasks: list[str] = ("train",),
+                 dynamic_max_rows: int | None = None) -> None:
+        """`final_tasks`: the last consumers of a row, cleared once all took it. `dynamic_max_rows`
+        (dynamic sampling): only trainable rows count toward a step, up to this many rows in all."""
         super().__init__("actor")
         self.role, self.bus, self.gate = role, bus, gate
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
         self.fields = TRAIN_INPUTS + extra_fields
         self.timeout_s, self.publish, self.max_steps = timeout_s, publish, max_steps
+        self.final_tasks, self.dynamic_max_rows = list(final_tasks), dynamic_max_rows
         self.unreported: list[dict[str, float]] = []
         self.lock = threading.Lock()  # a checkpoint never sees half a step
 
-    def train_step(self) -> dict[str, float]:
+    def _loader(self, rows: int | None) -> StreamingDataLoader:
+        dynamic = rows is None and self.dynamic_max_rows is not None
+        return StreamingDataLoader(
+            self.bus, "train", self.fields, self.micro_batch_size, rows or self.rows_per_step,
+            timeout=self.timeout_s, should_stop=self._stop.is_set,
+            counts=(lambda values: sum(r is None for r in values["filter_reason"])) if dynamic else None,
+            max_rows=self.dynamic_max_rows if dynamic else None)
+
+    def train_step(self, rows: int | None = None) -> dict[str, float]:
+        """One optimizer step; `rows` fixes how many rows it takes (colocated mode knows what it made)."""
         version = self.role.version
-        loader = StreamingDataLoader(self.bus, "train", self.fields, self.micro_batch_size, self.rows_per_step,
-                                     timeout=self.timeout_s, should_stop=self._stop.is_set)
+        loader = self._loader(rows)
         seen: list[Sample] = []
         filtered: Counter = Counter()
         trained = 0
         self.role.begin_step()
-        for rows, values in loader:
-            samples = to_samples(rows, values)
+        for row_ids, values in loader:
+            samples = to_samples(row_ids, values)
             for sample in samples:
                 if sample.filter_reason is None and not self.gate.is_fresh(sample.behavior_version, version):
                     sample.filter_reason = "stale"
@@ -280,7 +378,7 @@ class ActorWorker(Worker):
             if trainable:
                 self._timed(lambda: self.role.accumulate(trainable))
                 trained += len(trainable)
-            self.bus.clear(rows)  # training is the last consumer of a row
+            self.bus.clear_consumed(self.final_tasks)
         metrics = self._timed(self.role.finish_step)
         publish_started = time.monotonic()
         self._timed(self.publish)
@@ -321,4 +419,12 @@ def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, floa
         "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
         "staleness_mean": sum(k * v for k, v in staleness.items()) / max(1, len(samples)),
         **{f"staleness_{k}": float(v) for k, v in sorted(staleness.items())},
+        **distillation_metrics(samples),
     }
+
+
+def distillation_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Token-mean of log pi_student - log pi_teacher on the student's samples: the reverse KL estimate."""
+    pairs = [(s.rollout_logprobs, s.teacher_logprobs) for s in samples if s.teacher_logprobs is not None]
+    gaps = [st - te for student, teacher in pairs for st, te in zip(student, teacher)]
+    return {"distill_reverse_kl": sum(gaps) / len(gaps)} if gaps else {}

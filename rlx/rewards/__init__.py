@@ -6,22 +6,34 @@ import importlib
 
 from rlx.config import ConfigError
 from rlx.rewards.builtin import REWARDS, RewardFn
-from rlx.rewards.safe import RewardOutcome, score_safely
+from rlx.rewards.judge import JUDGE_PARSERS, JudgeParser
+from rlx.rewards.safe import RewardOutcome, score_group_safely, score_safely
 
 
-def load_custom_reward(spec: str) -> RewardFn:
+def load_custom_reward(spec: str, key: str = "reward.name") -> RewardFn:
+    """`package.module:function` from the working directory or an installed package; `key` names the setting."""
     module_name, _, attr = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"reward.name={spec!r}: cannot load {attr!r} from module {module_name!r}: {exc}") from None
+        raise ConfigError(f"{key}={spec!r}: cannot load {attr!r} from module {module_name!r}: {exc}") from None
     if not callable(fn):
-        raise ConfigError(f"reward.name={spec!r} is not callable")
+        raise ConfigError(f"{key}={spec!r} is not callable")
     return fn
+
+
+def build_judge_parser(spec: str) -> JudgeParser:
+    if ":" in spec:
+        return load_custom_reward(spec, "reward.judge.parser")
+    if spec not in JUDGE_PARSERS:
+        raise ConfigError(f"reward.judge.parser={spec!r} is unknown; use one of {JUDGE_PARSERS.names()} or module:function")
+    return JUDGE_PARSERS.get(spec)
 
 
 def build_reward(name: str, extract: str) -> RewardFn:
     """A built-in reward by name, or `package.module:function` (called as fn(completion, label, metadata))."""
+    if name == "genrm":
+        raise ConfigError("reward.name=genrm is a judge role, not a function: build it with the GenRM role")
     if ":" in name:
         return load_custom_reward(name)
     if name not in REWARDS:
@@ -29,4 +41,5 @@ def build_reward(name: str, extract: str) -> RewardFn:
     return REWARDS.get(name)(extract)
 
 
-__all__ = ["REWARDS", "RewardFn", "RewardOutcome", "build_reward", "load_custom_reward", "score_safely"]
+__all__ = ["JUDGE_PARSERS", "REWARDS", "RewardFn", "RewardOutcome", "build_judge_parser", "build_reward", "load_custom_reward", "score_group_safely",
+           "score_safely"]

@@ -40,7 +40,7 @@ class Actor:
         policy, from ActorFwd); without them the "old" log-probs are the current ones, detached,
         which is exact for one optimizer step per batch of fresh samples.
         """
-        per_token = {"advantages": [[s.advantage] * len(s.response_ids) for s in samples]}
+        per_token = {"advantages": [s.token_advantages or [s.advantage] * len(s.response_ids) for s in samples]}
         if self.config.behavior_correction != "none":
             per_token["rollout_logprobs"] = [s.rollout_logprobs for s in samples]
         if self.config.kl_coef > 0:

@@ -1,4 +1,9 @@
-"""Advantages: per-group advantage estimation; marks samples that cannot teach anything."""
+"""Advantages: per-group (or, with a critic, per-token) advantages; marks samples that cannot teach.
+
+Three sources, combined as the config asks: a group-relative estimator over rewards (GRPO, RLOO,
+REINFORCE++), GAE over the critic's values (PPO), and the teacher's per-token reverse-KL signal
+(on-policy distillation), which is added to whichever task advantage is on.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from rlx.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from rlx.algorithms.distill import reverse_kl_advantages
+from rlx.algorithms.values import gae, masked_whiten
 from rlx.config import AlgorithmConfig
 from rlx.data.sample import Sample
 
@@ -16,15 +23,75 @@ from rlx.data.sample import Sample
 class AdvantageResult:
     kept: list[Sample]
     filtered: Counter = field(default_factory=Counter)  # reason -> number of samples
+    dropped_groups: int = 0  # groups filtered whole for equal rewards
+
+
+def pad(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged per-token lists -> ([B, T] values, [B, T] mask)."""
+    width = max(1, max(len(r) for r in rows))
+    values, mask = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        values[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        mask[i, : len(row)] = 1.0
+    return values, mask
+
+
+def unpad(tensor: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
+    return [row[m > 0].tolist() for row, m in zip(tensor, mask)]
 
 
 class Advantages:
-    def __init__(self, config: AlgorithmConfig) -> None:
+    def __init__(self, config: AlgorithmConfig, filter_zero_std: bool | None = None,
+                 distill_coef: float | None = None) -> None:
+        """`distill_coef` turns on the teacher's reverse-KL advantage; `filter_zero_std` defaults to the config."""
         self.config = config
-        self.estimator = ADVANTAGE_ESTIMATORS.get(config.advantage)
+        self.filter_zero_std = config.filter_zero_std_groups if filter_zero_std is None else filter_zero_std
+        self.distill_coef = distill_coef
+
+    def _task_advantages(self, scored: list[Sample]) -> None:
+        a = self.config
+        rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)
+        if a.advantage == "gae":
+            values, mask = pad([s.values for s in scored])
+            lengths = mask.sum(1).long()
+            token_rewards = torch.zeros_like(values)
+            token_rewards[torch.arange(len(scored)), (lengths - 1).clamp(min=0)] = rewards  # outcome reward
+            advantages, returns = gae(token_rewards, values, mask, a.gamma, a.lam)
+            if a.whiten_advantages:
+                advantages = masked_whiten(advantages, mask)
+            for sample, adv, ret in zip(scored, unpad(advantages, mask), unpad(returns, mask)):
+                sample.token_advantages, sample.returns = adv, ret
+                sample.advantage = sum(adv) / max(1, len(adv))
+            return
+        if a.advantage == "none":
+            advantages = torch.zeros_like(rewards)
+        else:
+            group_ids = torch.tensor([s.group_id for s in scored])
+            advantages = ADVANTAGE_ESTIMATORS.get(a.advantage)(rewards, group_ids, norm_std=a.norm_std)
+        for sample, advantage in zip(scored, advantages.tolist()):
+            sample.advantage = advantage
+
+    def _add_distillation(self, scored: list[Sample]) -> None:
+        teacher, mask = pad([s.teacher_logprobs for s in scored])
+        student, _ = pad([s.rollout_logprobs for s in scored])
+        task, _ = pad([s.token_advantages or [s.advantage] * len(s.response_ids) for s in scored])
+        combined = reverse_kl_advantages(student, teacher, task, self.distill_coef) * mask
+        for sample, adv in zip(scored, unpad(combined, mask)):
+            sample.token_advantages = adv
+
+    def _drop_equal_reward_groups(self, scored: list[Sample]) -> int:
+        rewards_of: dict[int, set[float]] = {}
+        for sample in scored:
+            rewards_of.setdefault(sample.group_id, set()).add(sample.reward)
+        dropped = {g for g, rewards in rewards_of.items() if len(rewards) == 1}
+        for sample in scored:
+            if sample.group_id in dropped:
+                sample.filter_reason = "zero_std_group"
+        return len(dropped)
 
     def compute(self, samples: list[Sample]) -> AdvantageResult:
-        """Set `advantage` on every scored sample and `filter_reason` on those not to train on.
+        """Set `advantage` (and `token_advantages`, `returns` where per-token) on every scored sample
+        and `filter_reason` on those not to train on.
 
         `samples` must hold whole groups: group statistics are taken over what is passed in.
         """
@@ -32,20 +99,15 @@ class Advantages:
             if sample.reward_error is not None:
                 sample.filter_reason, sample.advantage = "reward_failed", 0.0
         scored = [s for s in samples if s.filter_reason is None]
+        dropped = 0
         if scored:
-            rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)
-            group_ids = torch.tensor([s.group_id for s in scored])
-            advantages = self.estimator(rewards, group_ids, norm_std=self.config.norm_std)
-            for sample, advantage in zip(scored, advantages.tolist()):
-                sample.advantage = advantage
-            if self.config.filter_zero_std_groups:
-                rewards_of: dict[int, set[float]] = {}
-                for sample in scored:
-                    rewards_of.setdefault(sample.group_id, set()).add(sample.reward)
-                for sample in scored:
-                    if len(rewards_of[sample.group_id]) == 1:
-                        sample.filter_reason = "zero_std_group"
+            self._task_advantages(scored)
+            if self.distill_coef is not None:
+                self._add_distillation(scored)
+            if self.filter_zero_std:
+                dropped = self._drop_equal_reward_groups(scored)
         return AdvantageResult(
             kept=[s for s in samples if s.filter_reason is None],
             filtered=Counter(s.filter_reason for s in samples if s.filter_reason is not None),
+            dropped_groups=dropped,
         )

@@ -58,6 +58,7 @@ class Rollout:
                 behavior_version=result.weight_version,
                 finish_reason=result.finish_reason,
                 response_text=self.tokenizer.decode(result.response_ids, skip_special_tokens=True),
+                prompt_text=row.question,
                 label=row.label,
                 metadata=row.metadata,
             )

@@ -48,8 +48,8 @@ def test_micro_batch_size_leaves_gradient_and_update_unchanged(tiny, tiny_path):
 def test_engine_logprobs_match_across_micro_batches(tiny, tiny_path):
     model, tokenizer = tiny
     batch = _batch(tokenizer)
-    one = TrainingEngine(model, tokenizer, TrainConfig(micro_batch_size=1), 1.0).logprobs(batch)
-    all_rows = TrainingEngine(model, tokenizer, TrainConfig(micro_batch_size=6), 1.0).logprobs(batch)
+    one = TrainingEngine(model, tokenizer, TrainConfig(micro_batch_size=1), 1.0).outputs(batch)
+    all_rows = TrainingEngine(model, tokenizer, TrainConfig(micro_batch_size=6), 1.0).outputs(batch)
     mask = batch.response_mask.bool()
     assert torch.allclose(one[mask], all_rows[mask], atol=1e-5)
 

@@ -8,6 +8,7 @@ so the update is the same whatever the micro-batch size or arrival order.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -22,16 +23,21 @@ from rlx.engines.training.forward import token_logprobs
 from rlx.engines.training.schedule import lr_multiplier
 
 LossFn = Callable[[TokenBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+# (model, batch, with_entropy, bf16) -> ([B, R] per-response-token output, [B, R] entropy or None)
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class TrainingEngine:
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: TrainConfig, temperature: float
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: TrainConfig, temperature: float,
+        forward: Forward | None = None,
     ) -> None:
+        """`forward` defaults to the policy's token log-probs; a value model passes `token_values`."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.temperature = temperature
+        self.forward: Forward = forward or functools.partial(token_logprobs, temperature=temperature)
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -42,10 +48,11 @@ class TrainingEngine:
         self.step = 0
 
     @torch.no_grad()
-    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+    def outputs(self, batch: TokenBatch) -> torch.Tensor:
+        """The forward's per-response-token output (log-probs or values), no gradient."""
         self.model.eval()
         parts = [
-            token_logprobs(self.model, mb, self.temperature, bf16=self.config.autocast_bf16)[0].cpu()
+            self.forward(self.model, mb, bf16=self.config.autocast_bf16)[0].cpu()
             for mb in batch.micro_batches(self.config.micro_batch_size)
         ]
         width = batch.response_width
@@ -57,10 +64,8 @@ class TrainingEngine:
 
     def accumulate(self, micro_batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
         """Forward and backward one micro-batch; gradients add up until `finish_step`."""
-        logprobs, entropy = token_logprobs(
-            self.model, micro_batch, self.temperature, with_entropy=True, bf16=self.config.autocast_bf16
-        )
-        loss, metrics = loss_fn(micro_batch, logprobs, entropy)
+        outputs, entropy = self.forward(self.model, micro_batch, with_entropy=True, bf16=self.config.autocast_bf16)
+        loss, metrics = loss_fn(micro_batch, outputs, entropy)
         loss.backward()
         return metrics
 

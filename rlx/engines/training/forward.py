@@ -44,3 +44,23 @@ def token_logprobs(
     if with_entropy:
         entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
     return logprobs, entropy
+
+
+def token_values(
+    model: PreTrainedModel,
+    batch: TokenBatch,
+    with_entropy: bool = False,
+    bf16: bool = False,
+) -> tuple[torch.Tensor, None]:
+    """[B, R] values of the states before each response token, from a one-label token classifier:
+    the same columns whose logits predict the response tokens."""
+    device = next(model.parameters()).device
+    width = batch.response_width
+    with autocast_context(model, bf16):
+        scores = model(
+            input_ids=batch.input_ids.to(device),
+            attention_mask=batch.attention_mask.to(device),
+            position_ids=batch.position_ids.to(device),
+            use_cache=False,
+        ).logits
+    return scores[:, -(width + 1) : -1, 0].float(), None
