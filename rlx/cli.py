@@ -94,14 +94,20 @@ def _bench(args: argparse.Namespace) -> int:
 
         table = format_table(run_bus_benchmark(repeats=args.repeats))
         command = f"rlx bench bus --repeats {args.repeats}"
+    elif args.what == "algorithms":
+        from rlx.bench.algorithms import format_table, run_algorithms_benchmark
+
+        table = format_table(run_algorithms_benchmark(Path(args.work_dir), steps=args.steps))
+        command = f"rlx bench algorithms --steps {args.steps}"
     else:
         from rlx.bench.pipeline import format_table, run_pipeline_benchmark
 
         table = format_table(run_pipeline_benchmark(Path(args.work_dir), steps=args.steps))
         command = f"rlx bench pipeline --steps {args.steps}"
     print(table)
-    update_section(Path(args.out), args.what, command, table)
-    print(f"written to {args.out}")
+    out = Path(args.out or ("docs/algorithms.md" if args.what == "algorithms" else "docs/benchmarks.md"))
+    update_section(out, args.what, command, table)
+    print(f"written to {out}")
     return 0
 
 
@@ -131,11 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side; results go to docs/benchmarks.md")
-    bench.add_argument("what", choices=["pipeline", "bus"])
+    bench.add_argument("what", choices=["pipeline", "bus", "algorithms"])
     bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline)")
     bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus)")
     bench.add_argument("--work-dir", default="runs/bench", help="scratch folder for runs and models")
-    bench.add_argument("--out", default="docs/benchmarks.md")
+    bench.add_argument("--out", help="default docs/benchmarks.md (algorithms: docs/algorithms.md)")
     bench.set_defaults(func=_bench)
 
     evaluate = sub.add_parser("eval", help="greedy held-out accuracy of a run's latest checkpoint")

@@ -84,14 +84,14 @@ def load_value_model(path: Path, device: str = "cpu"):
     """A value model: the causal LM's backbone with a scalar head per token, zero-initialised so
     every value starts at 0 (a neutral baseline) rather than at random noise."""
     import torch
-    from transformers import AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the new head's "newly initialized weights" notice is expected
     try:
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, classifier_dropout=0.0,
-                                                                dtype=torch.float32)
+        config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(verbosity)
     with torch.no_grad():

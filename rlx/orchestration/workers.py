@@ -128,7 +128,7 @@ class RewardWorker(Worker):
 
     def _units(self, rows: list[int], samples: list[Sample]) -> list[tuple[list[int], list[Sample]]]:
         if self.unit == "batch":
-            return [(rows, samples)]
+            return [(rows, samples)] if rows else []
         if self.unit == "sample":
             return [([row], [sample]) for row, sample in zip(rows, samples)]
         by_group: dict[int, tuple[list[int], list[Sample]]] = {}

@@ -31,10 +31,10 @@ class Critic:
         def loss_fn(mb, values, _):
             mask = mb.response_mask.to(values.device)
             old, returns = mb.per_token["old_values"].to(values.device), mb.per_token["returns"].to(values.device)
-            per_token = clipped_value_loss(values, old, returns, self.value_clip)
+            loss = (clipped_value_loss(values, old, returns, self.value_clip) * mask).sum()
             clipped = ((values - old).abs() > self.value_clip).float()
-            return (per_token * mask).sum(), {
-                "value_loss": float((per_token * mask).sum()),
+            return loss, {
+                "value_loss": loss.item(),
                 "value_clip_fraction": float((clipped * mask).sum()),
                 "value_mean": float((values.detach() * mask).sum()),
                 "value_error": float(((values.detach() - returns).abs() * mask).sum()),

@@ -16,7 +16,7 @@ def toy_config(tiny_path, tmp_path, **overrides):
     tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "toy.jsonl"
     if not data.exists():
-        rows = [{"prompt": f"say a {i}:", "label": "a"} for i in range(64)]
+        rows = [{"prompt": f"say a {i}:", "label": "a", "metadata": {"index": i}} for i in range(64)]
         data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     raw = {
         "model": {"path": str(tiny_path)},

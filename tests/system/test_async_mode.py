@@ -26,3 +26,21 @@ def test_async_run_trains_within_staleness_and_leaves_no_processes(tiny_path, tm
     leftover = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE]
     assert not leftover, [p.cmdline()[:3] for p in leftover]
+
+
+def test_async_ppo_with_teacher_and_judge_roles(tiny_path, tmp_path):
+    """Critic, Teacher and GenRM each run as their own service: values, teacher log-probs and judged
+    rewards all travel over the bus, and the critic's training steps reach the metrics."""
+    config = toy_config(tiny_path, tmp_path, train__steps=3, train__mode="async", train__max_staleness=1,
+                        rollout__prompts_per_step=2, algorithm__advantage="gae", teacher__path=str(tiny_path),
+                        reward__name="genrm")
+    config.reward.judge.model = str(tiny_path)
+    config.reward.judge.parser = "tests.integration.toy_task:judge_length"
+    run_dir = run_async(config, echo=lambda _: None)
+    steps = [r for r in read_metrics(run_dir) if "reward_mean" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert r["reward_failed"] == 0 and r["reward_mean"] > 0  # the judge's verdicts
+        assert "distill_reverse_kl" in r  # teacher log-probs reached the trainer
+        assert 0 < r["busy_critic"] <= 1 and 0 < r["busy_teacher"] <= 1 and 0 < r["busy_genrm"] <= 1
+    assert sum("value_loss" in r for r in steps) >= 2  # critic steps, reported beside the actor's

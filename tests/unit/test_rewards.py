@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 import textwrap
 
 import pytest
 
 from rlx.config import ConfigError
 from rlx.data.gym import gym_splits
-from rlx.rewards import REWARDS, RewardOutcome, build_reward, load_custom_reward, score_safely
+from rlx.rewards import (
+    REWARDS,
+    RewardOutcome,
+    build_reward,
+    load_custom_reward,
+    score_group_safely,
+    score_safely,
+)
 from rlx.rewards.extract import extract_answer, last_boxed
 
 # ------------------------------------------------------------------------------------ extraction
@@ -232,3 +241,63 @@ def test_score_safely_passes_arguments_through():
     seen = []
     score_safely(lambda c, lab, m: seen.append((c, lab, m)) or 0.0, "comp", "lab", {"k": 1})
     assert seen == [("comp", "lab", {"k": 1})]
+
+
+def _hangs(completion, label, metadata):
+    time.sleep(30)
+    return 1.0
+
+
+async def _async_half(completion, label, metadata):
+    await asyncio.sleep(0.01)
+    return 0.5
+
+
+async def _async_hangs(completion, label, metadata):
+    await asyncio.sleep(30)
+    return 1.0
+
+
+@pytest.mark.parametrize("fn", [_hangs, _async_hangs])
+def test_a_hung_reward_times_out_and_fails_only_its_sample(fn):
+    started = time.monotonic()
+    outcome = score_safely(fn, "c", "lab", {}, timeout_s=0.2)
+    assert time.monotonic() - started < 5
+    assert outcome.failed and "reward.timeout_s=0.2" in outcome.error
+
+
+def test_async_rewards_are_awaited():
+    assert score_safely(_async_half, "c", "lab", {}, timeout_s=5) == RewardOutcome(0.5)
+
+
+def _group_rank(completions, label, metadata):
+    """Scores each completion by its length rank within the group."""
+    order = sorted(range(len(completions)), key=lambda i: len(completions[i]))
+    return [order.index(i) / (len(completions) - 1) for i in range(len(completions))]
+
+
+def test_group_rewards_score_a_whole_group_at_once():
+    outcomes = score_group_safely(_group_rank, ["aaa", "a", "aa"], "lab", {}, timeout_s=5)
+    assert [o.score for o in outcomes] == [1.0, 0.0, 0.5]
+
+
+@pytest.mark.parametrize("fn,error_part", [
+    (lambda cs, lab, m: [1.0], "expected a list of 3 numbers"),
+    (lambda cs, lab, m: 1.0, "expected a list of 3 numbers"),
+    (lambda cs, lab, m: [1.0, "x", float("nan")], None),
+])
+def test_bad_group_rewards_fail_per_sample(fn, error_part):
+    outcomes = score_group_safely(fn, ["a", "b", "c"], "lab", {}, timeout_s=5)
+    if error_part:
+        assert all(o.failed and error_part in o.error for o in outcomes)
+    else:  # the good entry survives; the string and the NaN fail alone
+        assert [o.failed for o in outcomes] == [False, True, True]
+
+
+def test_reward_role_scores_groups_with_a_group_function():
+    from rlx.data.sample import Sample
+    from rlx.roles import Reward
+
+    samples = [Sample(uid=i, group_id=i // 3, response_text="a" * (i % 3 + 1)) for i in range(6)]
+    Reward(_group_rank, scope="group", timeout_s=5).score(samples)
+    assert [s.reward for s in samples] == [0.0, 0.5, 1.0] * 2
