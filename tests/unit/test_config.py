@@ -173,3 +173,30 @@ def test_to_yaml_round_trip():
     assert again == config
     assert again.to_yaml() == text
     assert RunConfig() == build_config(yaml.safe_load(RunConfig().to_yaml()))
+
+
+@pytest.mark.parametrize("raw,fix", [
+    ({"algorithm": {"advantage": "none"}}, "teacher.path"),
+    ({"rollout": {"n": 1}}, "rollout.n>=2"),
+    ({"algorithm": {"dynamic_sampling": True, "advantage": "reinforce_pp"}}, "group-relative"),
+    ({"algorithm": {"advantage": "grpo"}, "critic": {"path": "x"}}, "algorithm.advantage=gae"),
+    ({"algorithm": {"advantage": "gae", "policy_loss": "gspo"}}, "policy_loss=clipped"),
+    ({"reward": {"scope": "group"}}, "reward.scope=sample"),
+])
+def test_algorithm_and_reward_choices_are_checked_together(raw, fix):
+    with pytest.raises(ConfigError) as error:
+        build_config(raw)
+    assert fix in str(error.value)
+
+
+def test_every_conflict_is_reported_at_once():
+    with pytest.raises(ConfigError) as error:
+        build_config({"algorithm": {"advantage": "none"}, "reward": {"scope": "group"}})
+    assert "teacher.path" in str(error.value) and "reward.scope" in str(error.value)
+
+
+def test_ppo_and_distillation_configs_pick_their_roles():
+    ppo = build_config({"algorithm": {"advantage": "gae"}, "rollout": {"n": 1}})
+    assert ppo.uses_critic and not ppo.uses_teacher and not ppo.filters_zero_std_groups
+    distill = build_config({"algorithm": {"advantage": "none"}, "teacher": {"path": "some/teacher"}})
+    assert distill.uses_teacher and not distill.filters_zero_std_groups
