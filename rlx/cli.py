@@ -97,8 +97,8 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.what == "algorithms":
         from rlx.bench.algorithms import format_table, run_algorithms_benchmark
 
-        table = format_table(run_algorithms_benchmark(Path(args.work_dir), steps=args.steps))
-        command = f"rlx bench algorithms --steps {args.steps}"
+        table = format_table(run_algorithms_benchmark(Path(args.work_dir), steps=args.steps, only=args.only))
+        command = f"rlx bench algorithms --steps {args.steps} --work-dir {args.work_dir}"
     else:
         from rlx.bench.pipeline import format_table, run_pipeline_benchmark
 
@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline)")
     bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus)")
     bench.add_argument("--work-dir", default="runs/bench", help="scratch folder for runs and models")
+    bench.add_argument("--only", action="append", help="algorithms: run just this one (repeatable); the table "
+                       "keeps earlier results found in --work-dir")
     bench.add_argument("--out", help="default docs/benchmarks.md (algorithms: docs/algorithms.md)")
     bench.set_defaults(func=_bench)
 

@@ -171,6 +171,10 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(0, ge=0, description="0 saves only the final checkpoint")
     time_budget_s: float | None = Field(None, gt=0, description="stop after this much wall time")
     step_timeout_s: float = Field(600.0, gt=0, description="longest wait for one step's samples before failing")
+    hang_timeout_s: float = Field(300.0, gt=0, description="a role making no progress this long is hung and "
+                                  "gets replaced (async mode)")
+    max_restarts_per_role: int = Field(3, ge=0, description="replacements of one role before the run stops")
+    max_restarts: int = Field(10, ge=0, description="replacements of all roles together before the run stops")
     seed: int = 0
 
 
@@ -196,6 +200,15 @@ class ResourcesConfig(Section):
     genrm: RoleResources = Field(default_factory=RoleResources)
 
 
+class FaultConfig(Section):
+    """Fault injection for tests and drills: kill or hang one role's replica after a given step."""
+
+    role: str = Field(description="a role of this run: rollout, reward, advantages, reference, ...")
+    at_step: int = Field(ge=1, description="injected once the trainer has finished this step")
+    kind: Literal["kill", "hang"] = Field("kill", description="kill: the process exits; hang: its worker "
+                                          "loop blocks forever without a heartbeat")
+
+
 class LoggingConfig(Section):
     name: str = "run"
     run_dir: str | None = Field(None, description="default runs/<name>")
@@ -214,6 +227,7 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    faults: list[FaultConfig] = Field(default_factory=list, description="async mode: faults to inject")
 
     @model_validator(mode="after")
     def _choices_fit_together(self) -> RunConfig:
@@ -266,6 +280,9 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if a.policy_loss == "gspo" and (a.advantage == "gae" or c.uses_teacher):
         problems.append("algorithm.policy_loss=gspo needs one advantage per sequence; gae and distillation give "
                         "one per token: use policy_loss=clipped")
+    if a.policy_loss == "gspo" and a.aggregation != "seq-mean-token-mean":
+        problems.append(f"algorithm.policy_loss=gspo averages its sequence losses over sequences; with "
+                        f"aggregation={a.aggregation} its gradient is GRPO's: set algorithm.aggregation=seq-mean-token-mean")
     if c.reward.scope == "group" and ":" not in c.reward.name:
         problems.append(f"reward.scope=group needs a custom group reward (module:function); {c.reward.name!r} "
                         "scores one response at a time: set reward.scope=sample")

@@ -3,6 +3,7 @@ budget) for each algorithm, reporting the held-out accuracy gain and the wall ti
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rlx.config import load_config
@@ -16,7 +17,7 @@ ALGORITHMS: dict[str, list[str]] = {
     "GRPO": ["algorithm.clip_high=0.2"],
     "DAPO": ["algorithm.clip_high=0.28", "algorithm.dynamic_sampling=true", "reward.overlong_buffer=8",
              "reward.overlong_penalty=0.5"],
-    "GSPO": ["algorithm.policy_loss=gspo"],
+    "GSPO": ["algorithm.policy_loss=gspo", "algorithm.aggregation=seq-mean-token-mean"],
     "SAPO": ["algorithm.policy_loss=sapo"],
     "PPO": ["algorithm.advantage=gae", "algorithm.lam=0.95", "critic.lr=5e-5"],
 }
@@ -30,16 +31,29 @@ def run_algorithm(name: str, work_dir: Path, steps: int) -> dict[str, float]:
     records = read_metrics(run_dir)
     evals = [r for r in records if "eval_accuracy" in r]
     trained = [r for r in records if "trained_samples" in r]
-    return {
+    result = {
         "initial": evals[0]["eval_accuracy"], "final": evals[-1]["eval_accuracy"],
         "gain": evals[-1]["eval_accuracy"] - evals[0]["eval_accuracy"],
         "reward_first": trained[0]["reward_mean"], "reward_last": trained[-1]["reward_mean"],
         "wall_s": evals[-1]["wall_time_s"], "steps": float(len(trained)),
     }
+    (run_dir / "result.json").write_text(json.dumps(result))
+    return result
 
 
-def run_algorithms_benchmark(work_dir: Path, steps: int, names: list[str] | None = None) -> dict[str, dict]:
-    return {name: run_algorithm(name, work_dir, steps) for name in names or list(ALGORITHMS)}
+def run_algorithms_benchmark(work_dir: Path, steps: int, only: list[str] | None = None) -> dict[str, dict]:
+    """Run every algorithm, or just `only` (the table keeps the others' earlier results in `work_dir`)."""
+    unknown = set(only or []) - set(ALGORITHMS)
+    if unknown:
+        raise ValueError(f"unknown algorithms {sorted(unknown)}; choose from {list(ALGORITHMS)}")
+    results = {}
+    for name in ALGORITHMS:
+        saved = work_dir / name.lower() / "result.json"
+        if only is None or name in only:
+            results[name] = run_algorithm(name, work_dir, steps)
+        elif saved.exists():
+            results[name] = json.loads(saved.read_text())
+    return results
 
 
 def format_table(results: dict[str, dict]) -> str:

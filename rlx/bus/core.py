@@ -29,6 +29,7 @@ class Row:
     num_tokens: int
     values: dict[str, Any] = field(default_factory=dict)
     consumed_by: set[str] = field(default_factory=set)
+    held_by: dict[str, str] = field(default_factory=dict)  # task -> the replica that took the row for it
     created_at: float = field(default_factory=time.monotonic)
 
 
@@ -40,6 +41,7 @@ class BusIndex:
         self.rows: dict[int, Row] = {}
         self.next_row_id = 0
         self.stats: Counter = Counter()
+        self.rows_per_group: Counter = Counter()  # rows ever added, per group
 
     # -- writing ---------------------------------------------------------------------------------
     def add_rows(self, values: dict[str, list[Any]], group_ids: list[int], num_tokens: list[int]) -> list[int]:
@@ -54,17 +56,21 @@ class BusIndex:
         self.next_row_id += count
         for i, row_id in enumerate(row_ids):
             self.rows[row_id] = Row(row_id, group_ids[i], num_tokens[i], {k: v[i] for k, v in values.items()})
+            self.rows_per_group[group_ids[i]] += 1
         self.stats["rows_added"] += count
         return row_ids
 
     def add_fields(self, row_ids: list[int], values: dict[str, list[Any]]) -> None:
-        """Add (or overwrite) fields of existing rows."""
+        """Add (or overwrite) fields of existing rows. Rows cleared meanwhile (their group was given
+        up after a producer died) are skipped and counted: the late result has nowhere to go."""
         _check_columns(values, len(row_ids))
-        missing = [r for r in row_ids if r not in self.rows]
-        if missing:
-            raise KeyError(f"rows {missing[:5]} are not in the bus (cleared, or never added)")
+        if any(r >= self.next_row_id or r < 0 for r in row_ids):
+            raise KeyError(f"rows {[r for r in row_ids if r >= self.next_row_id or r < 0][:5]} were never added")
         for i, row_id in enumerate(row_ids):
-            self.rows[row_id].values.update({k: v[i] for k, v in values.items()})
+            if row_id in self.rows:
+                self.rows[row_id].values.update({k: v[i] for k, v in values.items()})
+            else:
+                self.stats["fields_for_cleared_rows"] += 1
 
     # -- reading ---------------------------------------------------------------------------------
     def ready(self, task: str, fields: list[str]) -> list[Candidate]:
@@ -76,12 +82,17 @@ class BusIndex:
         ]
 
     def take(
-        self, task: str, fields: list[str], batch_size: int, sampler: Sampler | None = None, partial: bool = False
+        self, task: str, fields: list[str], batch_size: int, sampler: Sampler | None = None, partial: bool = False,
+        consumer: str | None = None,
     ) -> list[int]:
-        """Pick rows with the sampler and mark them consumed by `task`; [] when none qualify yet."""
+        """Pick rows with the sampler and mark them consumed by `task`; [] when none qualify yet.
+
+        `consumer` (a replica id) is remembered, so the rows can go back if that replica dies."""
         chosen = (sampler or SequentialSampler()).select(self.ready(task, fields), batch_size, partial)
         for row_id in chosen:
             self.rows[row_id].consumed_by.add(task)
+            if consumer is not None:
+                self.rows[row_id].held_by[task] = consumer
         self.stats[f"taken:{task}"] += len(chosen)
         return chosen
 
@@ -93,6 +104,27 @@ class BusIndex:
         for row_id in row_ids:
             if row_id in self.rows:
                 self.rows[row_id].consumed_by.discard(task)
+
+    def release_held(self, consumer: str, task: str, done_field: str) -> int:
+        """A replica died: give `task` back the rows it took but did not finish (still lacking
+        `done_field`, its output). Returns how many rows went back."""
+        released = 0
+        for row in self.rows.values():
+            if row.held_by.get(task) == consumer and done_field not in row.values:
+                row.consumed_by.discard(task)
+                del row.held_by[task]
+                released += 1
+        self.stats[f"released:{task}"] += released
+        return released
+
+    def abandon_incomplete_groups(self, group_ids: list[int], group_size: int) -> list[int]:
+        """A producer died: drop the rows of those of `group_ids` that never got all `group_size`
+        rows (a partial group would bias group statistics). Returns the groups dropped."""
+        incomplete = {g for g in group_ids if self.rows_per_group[g] < group_size}
+        rows = [r.row_id for r in self.rows.values() if r.group_id in incomplete]
+        self.clear(rows)
+        self.stats["rows_of_abandoned_groups"] += len(rows)
+        return sorted(incomplete)
 
     def missing_fields(self, task: str, fields: list[str]) -> dict[str, int]:
         """For a timeout message: per field, how many unconsumed rows still lack it."""
@@ -145,6 +177,7 @@ class BusIndex:
         index.next_row_id = state["next_row_id"]
         for row_id, group_id, num_tokens, values, consumed in state["rows"]:
             index.rows[row_id] = Row(row_id, group_id, num_tokens, values, set(consumed))
+            index.rows_per_group[group_id] += 1
         return index
 
 

@@ -20,6 +20,7 @@ from rlx.engines.generation import SamplingParams, build_generation_engine
 from rlx.engines.training import TrainingEngine
 from rlx.engines.training.forward import token_values
 from rlx.models import eos_token_ids, load_pretrained, load_tokenizer, load_value_model, resolve_model_path
+from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.staleness import StalenessGate
 from rlx.orchestration.workers import (
     ACTOR_FWD_INPUTS,
@@ -141,7 +142,7 @@ class Components:
     reference: Reference | None
     critic: Critic | None
     teacher: Reference | None
-    train_stream: PromptStream
+    prompts: PromptSource
     eval_rows: list[PromptRow]
 
     def encode(self, row: PromptRow) -> list[int]:
@@ -171,7 +172,7 @@ def build_components(config: RunConfig) -> Components:
         reference=build_reference(config, path),
         critic=build_critic(config) if config.uses_critic else None,
         teacher=build_teacher(config, len(rollout.tokenizer)) if config.uses_teacher else None,
-        train_stream=PromptStream(train_rows, seed=config.data.seed),
+        prompts=prompt_source(config, train_rows),
         eval_rows=eval_rows,
     )
 
@@ -196,13 +197,18 @@ def staleness_gate(config: RunConfig, max_staleness: int) -> StalenessGate:
     return StalenessGate(max_staleness, config.rollout.prompts_per_step)
 
 
-def rollout_worker(config: RunConfig, rollout: Rollout, bus, stream: PromptStream, sync_weights: Callable[[], None],
-                   max_staleness: int) -> RolloutWorker:
+def prompt_source(config: RunConfig, train_rows: list[PromptRow]) -> PromptSource:
+    return PromptSource(PromptStream(train_rows, seed=config.data.seed),
+                        staleness_gate(config, config.train.max_staleness))
+
+
+def rollout_worker(config: RunConfig, rollout: Rollout, bus, source: PromptSource, sync_weights: Callable[[], None],
+                   consumer: str = "rollout") -> RolloutWorker:
     r, seed = config.rollout, config.train.seed
-    return RolloutWorker(rollout, bus, stream, prompt_encoder(config, rollout.tokenizer), r.n,
-                         lambda started: sampling_params(config, seed=seed * 100_003 + started),
-                         staleness_gate(config, max_staleness), sync_weights,
-                         max_batch_size=r.max_batch_size, refill_dropped=config.algorithm.dynamic_sampling)
+    return RolloutWorker(rollout, bus, source, prompt_encoder(config, rollout.tokenizer), r.n,
+                         lambda first_group: sampling_params(config, seed=seed * 100_003 + first_group),
+                         sync_weights, max_batch_size=r.max_batch_size,
+                         refill_dropped=config.algorithm.dynamic_sampling, consumer=consumer)
 
 
 def final_tasks(config: RunConfig) -> list[str]:
@@ -219,7 +225,8 @@ def actor_worker(config: RunConfig, actor: Actor, bus, publish: Callable[[], Non
     return ActorWorker(actor, bus, rows, t.micro_batch_size, staleness_gate(config, max_staleness),
                        extra_fields=extra, timeout_s=t.step_timeout_s, publish=publish, max_steps=max_steps,
                        final_tasks=final_tasks(config),
-                       dynamic_max_rows=int(rows * a.max_groups_per_step) if a.dynamic_sampling else None)
+                       dynamic_max_rows=int(rows * a.max_groups_per_step) if a.dynamic_sampling else None,
+                       group_size=r.n)
 
 
 def advantages_worker(config: RunConfig, advantages: Advantages, bus) -> AdvantagesWorker:
@@ -257,7 +264,7 @@ def build_workers(c: Components, bus, sync_weights: Callable[[], None],
     """Connect the roles of `c` to `bus`; the callables say how weights travel in this mode."""
     cfg = c.config
     return Workers(
-        rollout=rollout_worker(cfg, c.rollout, bus, c.train_stream, sync_weights, max_staleness),
+        rollout=rollout_worker(cfg, c.rollout, bus, c.prompts, sync_weights),
         reward=reward_worker(cfg, c.reward, bus),
         advantages=advantages_worker(cfg, c.advantages, bus),
         reference=reference_worker(cfg, c.reference, bus) if c.reference is not None else None,

@@ -105,14 +105,14 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
         if c.critic is not None:
             c.critic.engine.load_checkpoint(checkpoint / "critic")
         step, totals = state["loop_step"], Counter(state["totals"])
-        c.train_stream.position = state["data_position"]
+        c.prompts.stream.position = state["data_position"]
         c.sync_weights()
-        echo(f"resumed from {checkpoint} at step {step} (data position {c.train_stream.position})")
+        echo(f"resumed from {checkpoint} at step {step} (data position {c.prompts.stream.position})")
     writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard,
                            echo=tqdm.write if config.logging.progress_bar else echo)
 
     def save() -> None:
-        state = {"loop_step": step, "data_position": c.train_stream.position, "totals": dict(totals)}
+        state = {"loop_step": step, "data_position": c.prompts.stream.position, "totals": dict(totals)}
         path = c.actor.engine.save_checkpoint(checkpoint_path(run_dir, step), state)
         if c.critic is not None:  # stateful too: the value model and its optimizer
             c.critic.engine.save_checkpoint(path / "critic", state)

@@ -8,6 +8,7 @@ Ctrl-C.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,19 +26,18 @@ from rlx.orchestration.builder import (
     model_path,
     prepare_process,
     prompt_encoder,
+    prompt_source,
     sampling_params,
 )
 from rlx.orchestration.cluster import start_ray, stop_ray
 from rlx.orchestration.evaluation import evaluate
+from rlx.orchestration.health import STATEFUL_ROLES, HealthManager, RoleFailed
+from rlx.orchestration.prompt_source import PromptSourceClient, RemotePromptSource
 from rlx.orchestration.run_dir import checkpoint_path, prepare_run_dir
-from rlx.orchestration.services import RoleService, uses_actor_fwd
+from rlx.orchestration.services import RoleService, Shared, uses_actor_fwd
 from rlx.weights.store import WeightStore
 
 POLL_S = 2.0  # status round trips to every service cost CPU the roles need
-
-
-class RoleFailed(RuntimeError):
-    """A role's worker loop died; the message names the role and the error."""
 
 
 def role_names(config: RunConfig) -> list[str]:
@@ -60,7 +60,8 @@ class Controller:
         self.handles: dict[str, Any] = {}
         self.started_ray = False
 
-    def deploy(self) -> None:
+    def start_substrate(self) -> None:
+        """Ray, Serve, and what every role shares: the bus, the weight store, the prompt source."""
         cfg = self.config
         self.started_ray = not ray.is_initialized()
         start_ray(cfg.resources.ray_num_cpus, cfg.resources.ray_address)
@@ -68,7 +69,14 @@ class Controller:
         self.bus = Bus.create(capacity=max(1024, 4 * cfg.rollout.prompts_per_step * cfg.rollout.n
                                            * (cfg.train.max_staleness + 2)))
         self.weights = WeightStore.create()
-        targets = []
+        source = prompt_source(cfg, load_splits(cfg.data)[0])
+        self.prompts = PromptSourceClient(RemotePromptSource.remote(source.stream, source.gate))
+        self.shared = Shared(self.bus, self.weights, self.prompts)
+
+    def deploy(self) -> None:
+        """One Serve application per role (its own fault domain), deployed in parallel; each role
+        starts working as soon as its replica is up."""
+        cfg, targets = self.config, []
         for role in role_names(cfg):
             res = getattr(cfg.resources, role)
             deployment = serve.deployment(
@@ -76,19 +84,22 @@ class Controller:
                 ray_actor_options={"num_cpus": res.num_cpus, "num_gpus": res.num_gpus},
                 health_check_period_s=2, health_check_timeout_s=60, max_ongoing_requests=8,
             )
-            app = deployment.bind(role, cfg.model_dump(mode="json"), self.bus, self.weights)
+            app = deployment.bind(role, cfg.model_dump(mode="json"), self.shared)
             targets.append(serve.RunTarget(app, name=f"rlx-{role}", route_prefix=None))
-        # one application per role (its own fault domain), all deployed in parallel
         self.handles = dict(zip(role_names(cfg), serve.run_many(targets)))
 
     def call(self, role: str, method: str, *args: Any) -> Any:
         return getattr(self.handles[role], method).remote(*args).result(timeout_s=600)
 
     def statuses(self) -> dict[str, dict[str, Any]]:
-        out = {role: self.call(role, "status") for role in self.handles}
-        for role, status in out.items():
-            if status["error"]:
-                raise RoleFailed(f"role {role!r} failed: {status['error']}")
+        """Every role's status; a stateless role being replaced right now is left out this round."""
+        out = {}
+        for role in self.handles:
+            try:
+                out[role] = self.call(role, "status")
+            except Exception as exc:  # a replica died mid-call; Serve is replacing it
+                if role in STATEFUL_ROLES:
+                    raise RoleFailed(f"role {role!r} is unreachable: {type(exc).__name__}: {exc}") from exc
         return out
 
     def shutdown(self) -> None:
@@ -120,11 +131,19 @@ class DriverEvaluator:
         return {**metrics, "eval_weight_version": float(self.rollout.engine.weight_version)}
 
 
+def check_faults(config: RunConfig) -> None:
+    roles = role_names(config)
+    for fault in config.faults:
+        if fault.role not in roles:
+            raise ConfigError(f"faults: role {fault.role!r} is not part of this run; its roles are {', '.join(roles)}")
+
+
 def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
               echo: Callable[[str], None] = print) -> Path:
     if resume:
         raise ConfigError("--resume works in colocate mode only for now: async resume needs the bus state "
                           "in checkpoints; run with train.mode=colocate or start a new run")
+    check_faults(config)
     run_dir = prepare_run_dir(config, resume, overwrite)
     load_splits(config.data)  # bad data or a reward that cannot load stop the run before any service starts
     build_reward_role(config)
@@ -132,32 +151,45 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
     started = time.perf_counter()
     controller = Controller(config, echo)
     writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard, echo=echo)
+    t = config.train
     try:
-        controller.deploy()
+        controller.start_substrate()
         evaluator = DriverEvaluator(config, controller.weights)
-        writer.write(0, evaluator())
-        for role in controller.handles:
-            controller.call(role, "start")
+        writer.write(0, evaluator())  # the initial weights, before any role competes for the CPU
+        controller.deploy()
+        health = HealthManager(controller.bus, controller.prompts, config.rollout.n, t.max_restarts_per_role,
+                               t.max_restarts)
+        pending_faults = list(config.faults)
         step, critic_steps = 0, []
-        budget = config.train.time_budget_s
-        while step < config.train.steps:
+        while step < t.steps:
             time.sleep(POLL_S)
             statuses = controller.statuses()
+            for recovery in health.observe(statuses):
+                echo(f"recovered {recovery.role}: replica {recovery.old_replica} -> {recovery.new_replica}, "
+                     f"{recovery.rows_released} rows released, {recovery.groups_requeued} groups requeued")
             busy = {f"busy_{r}": s["busy_fraction"] for r, s in statuses.items()}
             critic_steps.extend(statuses.get("critic", {}).get("steps", []))
-            for metrics in statuses["actor"]["steps"]:
+            for metrics in statuses.get("actor", {}).get("steps", []):
                 step += 1
                 metrics.update(critic_steps.pop(0) if critic_steps else {})
-                metrics.update(busy, wall_time_s=time.perf_counter() - started)
-                if config.train.eval_every and step % config.train.eval_every == 0 and step < config.train.steps:
+                metrics.update(busy, wall_time_s=time.perf_counter() - started, recoveries=float(len(health.recoveries)))
+                if t.eval_every and step % t.eval_every == 0 and step < t.steps:
                     metrics.update(evaluator())
                 writer.write(step, metrics)
-            if budget is not None and time.perf_counter() - started > budget:
-                echo(f"time budget of {budget:.0f}s reached after {step} steps")
+            for fault in [f for f in pending_faults if f.at_step <= step]:
+                pending_faults.remove(fault)
+                echo(f"injecting fault: {fault.kind} {fault.role} after step {step}")
+                controller.call(fault.role, "inject_fault", fault.kind)
+                health.fault_injected(fault.role)
+            if t.time_budget_s is not None and time.perf_counter() - started > t.time_budget_s:
+                echo(f"time budget of {t.time_budget_s:.0f}s reached after {step} steps")
                 break
         controller.call("rollout", "stop")
+        prompts = controller.prompts.state()
         controller.call("actor", "call", "save_checkpoint", str(checkpoint_path(run_dir, step)),
-                        {"loop_step": step, "data_position": None, "totals": {}})
+                        {"loop_step": step, "data_position": prompts["position"], "totals": {}})
+        (run_dir / "health.json").write_text(json.dumps({"recoveries": health.report(), "prompts": prompts,
+                                                         "bus": controller.bus.metrics()}, indent=2))
         final = evaluator()
         final["wall_time_s"] = time.perf_counter() - started
         writer.write(step, final)

@@ -1,17 +1,26 @@
 """Role services: the body of each Ray Serve deployment in async mode.
 
-A service builds its one role from the RunConfig, wires it to the bus and the weight store, and
-runs the role's worker loop on a thread. Serve gives it its own process, resources and health
-check; `check_health` fails once the worker loop has died, so Serve replaces the replica.
+A service builds its one role from the RunConfig, wires it to the bus, the weight store and the
+prompt source, and starts the role's worker loop on a thread at once, so a replacement replica goes
+back to work by itself. Serve gives it its own process, resources and health check;
+`check_health` fails once the worker loop has died or stopped beating for `train.hang_timeout_s`,
+and Serve replaces the replica. Each replica takes bus rows under its own consumer id, so the
+HealthManager can hand a dead replica's unfinished rows back.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
 from typing import Any, Callable
+
+from ray import serve
 
 from rlx.bus.ray_bus import Bus
 from rlx.config import RunConfig
-from rlx.data import PromptStream, load_splits
 from rlx.models import load_tokenizer
 from rlx.orchestration.builder import (
     actor_fwd_worker,
@@ -33,29 +42,40 @@ from rlx.orchestration.builder import (
     rollout_worker,
     teacher_worker,
 )
+from rlx.orchestration.prompt_source import PromptSourceClient
 from rlx.orchestration.workers import Worker
 from rlx.weights.store import WeightStore
 
 
-def _rollout(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
+@dataclass
+class Shared:
+    """What every service of a run shares: the bus, the weight store and the prompt source."""
+
+    bus: Bus
+    weights: WeightStore
+    prompts: PromptSourceClient
+
+
+def _rollout(cfg: RunConfig, shared: Shared) -> Worker:
     rollout = build_rollout(cfg, model_path(cfg))
-    stream = PromptStream(load_splits(cfg.data)[0], seed=cfg.data.seed)
-    return rollout_worker(cfg, rollout, bus, stream,
+    weights = shared.weights
+    # a new or restarted engine loads the latest published weights before it generates anything
+    return rollout_worker(cfg, rollout, shared.bus, shared.prompts,
                           lambda: weights.pull(rollout.engine.weight_version, rollout.load_weights),
-                          cfg.train.max_staleness)
+                          consumer=shared.bus.consumer)
 
 
-def _actor(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
-    actor = build_actor(cfg, model_path(cfg))
+def _actor(cfg: RunConfig, shared: Shared) -> Worker:
+    actor, weights = build_actor(cfg, model_path(cfg)), shared.weights
     weights.publish(actor.weights(), actor.version)  # version 0: what every engine starts from
-    return actor_worker(cfg, actor, bus, publish=lambda: weights.publish(actor.weights(), actor.version),
+    return actor_worker(cfg, actor, shared.bus, publish=lambda: weights.publish(actor.weights(), actor.version),
                         max_staleness=cfg.train.max_staleness, with_actor_fwd=uses_actor_fwd(cfg),
                         max_steps=cfg.train.steps)
 
 
-def _actor_fwd(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
-    actor_fwd = build_actor_fwd(cfg, model_path(cfg))
-    return actor_fwd_worker(cfg, actor_fwd, bus,
+def _actor_fwd(cfg: RunConfig, shared: Shared) -> Worker:
+    actor_fwd, weights = build_actor_fwd(cfg, model_path(cfg)), shared.weights
+    return actor_fwd_worker(cfg, actor_fwd, shared.bus,
                             lambda: weights.pull(actor_fwd.weight_version, actor_fwd.load_weights))
 
 
@@ -64,47 +84,66 @@ def uses_actor_fwd(cfg: RunConfig) -> bool:
     return cfg.algorithm.behavior_correction == "decoupled"
 
 
-def _teacher(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
-    return teacher_worker(cfg, build_teacher(cfg, len(load_tokenizer(model_path(cfg)))), bus)
+def _teacher(cfg: RunConfig, shared: Shared) -> Worker:
+    return teacher_worker(cfg, build_teacher(cfg, len(load_tokenizer(model_path(cfg)))), shared.bus)
 
 
-def _reward(cfg: RunConfig, bus: Bus, weights: WeightStore) -> Worker:
-    return reward_worker(cfg, build_reward_role(cfg), bus)
+def _reward(cfg: RunConfig, shared: Shared) -> Worker:
+    return reward_worker(cfg, build_reward_role(cfg), shared.bus)
 
 
-SERVICE_BUILDERS: dict[str, Callable[[RunConfig, Bus, WeightStore], Worker]] = {
+SERVICE_BUILDERS: dict[str, Callable[[RunConfig, Shared], Worker]] = {
     "rollout": _rollout,
     "reward": _reward,
     "genrm": _reward,  # the judge model's own service, in the reward role's place
-    "advantages": lambda cfg, bus, weights: advantages_worker(cfg, build_advantages(cfg), bus),
-    "reference": lambda cfg, bus, weights: reference_worker(cfg, build_reference(cfg, model_path(cfg)), bus),
-    "critic": lambda cfg, bus, weights: critic_worker(cfg, build_critic(cfg), bus),
+    "advantages": lambda cfg, shared: advantages_worker(cfg, build_advantages(cfg), shared.bus),
+    "reference": lambda cfg, shared: reference_worker(cfg, build_reference(cfg, model_path(cfg)), shared.bus),
+    "critic": lambda cfg, shared: critic_worker(cfg, build_critic(cfg), shared.bus),
     "teacher": _teacher,
     "actor_fwd": _actor_fwd,
     "actor": _actor,
 }
 
 
+def replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RuntimeError:  # not inside a Serve replica (tests build services in-process)
+        return uuid.uuid4().hex[:8]
+
+
 class RoleService:
-    def __init__(self, role: str, config: dict[str, Any], bus: Bus, weights: WeightStore) -> None:
+    def __init__(self, role: str, config: dict[str, Any], shared: Shared) -> None:
         cfg = RunConfig.model_validate(config)
         prepare_process(cfg, threads=getattr(cfg.resources, role).threads)
-        self.role = role
-        self.worker = SERVICE_BUILDERS[role](cfg, bus, weights)
-
-    def start(self) -> None:
+        self.role, self.hang_timeout_s = role, cfg.train.hang_timeout_s
+        self.consumer = f"{role}-{replica_id()}"
+        self.created_at = time.time()
+        shared = Shared(shared.bus.for_consumer(self.consumer), shared.weights, shared.prompts)
+        self.worker = SERVICE_BUILDERS[role](cfg, shared)
         self.worker.run_forever()
 
     def stop(self) -> None:
         self.worker.stop()
 
     def status(self) -> dict[str, Any]:
-        return self.worker.status()
+        return {**self.worker.status(), "consumer": self.consumer, "created_at": self.created_at}
 
     def call(self, method: str, *args: Any) -> Any:
         """Run a role-specific method of the worker (e.g. the actor's checkpoint)."""
         return getattr(self.worker, method)(*args)
 
+    def inject_fault(self, kind: str) -> None:
+        """Fault injection (`faults` in the config): die a moment after answering, or hang."""
+        if kind == "kill":
+            threading.Timer(0.2, os._exit, args=(1,)).start()
+        else:
+            self.worker.hang()
+
     def check_health(self) -> None:
         if self.worker.error:
             raise RuntimeError(f"{self.role} worker stopped: {self.worker.error}")
+        silent = time.monotonic() - self.worker.last_beat
+        if silent > self.hang_timeout_s:
+            raise RuntimeError(f"{self.role} is hung: no progress for {silent:.0f}s "
+                               f"(train.hang_timeout_s={self.hang_timeout_s:.0f})")

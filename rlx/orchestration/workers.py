@@ -18,8 +18,8 @@ from typing import Any, Callable
 from rlx.bus.loader import StreamingDataLoader
 from rlx.data.rows import PromptRow
 from rlx.data.sample import Sample
-from rlx.data.stream import PromptStream
 from rlx.engines.generation.base import SamplingParams
+from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.staleness import StalenessGate
 from rlx.roles import Actor, Advantages, Critic, Reference, Rollout
 from rlx.roles.rollout import Group
@@ -59,12 +59,19 @@ class Worker(abc.ABC):
         self.started_at = time.monotonic()
         self.items = 0
         self.error: str | None = None
+        self.last_beat = time.monotonic()
+        self.hung = False  # fault injection: the loop blocks without a heartbeat
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @abc.abstractmethod
     def work_once(self) -> int:
         """Do one unit of work if any is ready; return how many items it processed."""
+
+    def beat(self) -> bool:
+        """Record progress (the hang watchdog reads `last_beat`); False once asked to stop."""
+        self.last_beat = time.monotonic()
+        return not self._stop.is_set()
 
     def drain(self) -> int:
         """Process everything ready now, without waiting for more (colocated mode)."""
@@ -85,13 +92,19 @@ class Worker(abc.ABC):
 
         def loop():
             try:
-                while not self._stop.is_set():
+                while self.beat():
+                    while self.hung and not self._stop.is_set():
+                        time.sleep(0.2)
                     self.work_once()
             except Exception as exc:  # surfaced through status() and the service health check
                 self.error = f"{type(exc).__name__}: {exc}"
 
         self._thread = threading.Thread(target=loop, name=f"rlx-{self.name}", daemon=True)
         self._thread.start()
+
+    def hang(self) -> None:
+        """Fault injection: stop working and stop beating, as a deadlocked call would."""
+        self.hung = True
 
     def stop(self) -> None:
         self._stop.set()
@@ -263,27 +276,23 @@ class LogProbWorker(Worker):
 class RolloutWorker(Worker):
     """Generates prompt groups under admission control and streams each finished sample to the bus.
 
-    In async mode one `work_once` is a long continuous-batching stream: whenever batch slots free
-    up, new groups join as far as the staleness gate allows, and newer weights are loaded between
-    decode steps.
+    Groups come from a PromptSource shared by every rollout replica. In async mode one `work_once`
+    is a long continuous-batching stream: whenever batch slots free up, new groups join as far as
+    the staleness gate allows, and newer weights are loaded between decode steps. A group is
+    reported finished to the source once all its samples are on the bus.
     """
 
     refresh_every_steps = 16  # a version check is a round trip to the weight store
 
-    def __init__(self, role: Rollout, bus, stream: PromptStream, encode: Callable[[PromptRow], list[int]], n: int,
-                 sampling: Callable[[int], SamplingParams], gate: StalenessGate,
-                 sync_weights: Callable[[], None], max_batch_size: int, refill_dropped: bool = False) -> None:
+    def __init__(self, role: Rollout, bus, source: PromptSource, encode: Callable[[PromptRow], list[int]], n: int,
+                 sampling: Callable[[int], SamplingParams], sync_weights: Callable[[], None], max_batch_size: int,
+                 refill_dropped: bool = False, consumer: str = "rollout") -> None:
         super().__init__("rollout")
-        self.role, self.bus, self.stream, self.encode, self.n = role, bus, stream, encode, n
-        self.sampling, self.gate = sampling, gate
-        self.sync_weights, self.max_batch_size = sync_weights, max_batch_size
-        self.refill_dropped = refill_dropped
+        self.role, self.bus, self.source, self.encode, self.n = role, bus, source, encode, n
+        self.sampling, self.sync_weights, self.max_batch_size = sampling, sync_weights, max_batch_size
+        self.refill_dropped, self.consumer = refill_dropped, consumer
         self._version, self._steps, self._dropped = 0, 0, 0
-
-    @property
-    def groups_started(self) -> int:
-        """Every prompt taken from the stream starts one group."""
-        return self.stream.position
+        self._pending: Counter = Counter()  # group id -> samples still to come
 
     def _refresh(self) -> None:
         self.sync_weights()
@@ -294,17 +303,21 @@ class RolloutWorker(Worker):
             self._dropped = int(self.bus.metrics().get("bus_groups_dropped", 0))
 
     def _between_steps(self) -> None:
+        self.beat()
         self._steps += 1
         if self._steps % self.refresh_every_steps == 0:
             self._refresh()
 
+    def _groups(self, issued: list[tuple[int, PromptRow]]) -> list[Group]:
+        self._pending.update({group_id: self.n for group_id, _ in issued})
+        return [(group_id, row, self.encode(row)) for group_id, row in issued]
+
     def admit(self, max_groups: int) -> list[Group]:
-        """Up to `max_groups` new groups, as many as the staleness gate allows now."""
-        count = min(max_groups, self.gate.groups_allowed(self.groups_started - self._dropped, self._version))
-        return [(index, row, self.encode(row)) for index, row in self.stream.take(count)]
+        """Up to `max_groups` groups, as many as the staleness gate allows now."""
+        return self._groups(self.source.take(max_groups, self.consumer, self._version, self._dropped))
 
     def _produce(self, groups: list[Group], continuous: bool) -> int:
-        params = self.sampling(self.groups_started - len(groups))
+        params = self.sampling(groups[0][0])  # seeded by the first group's position: reproducible
 
         produced = 0
         mark = time.monotonic()  # busy time is booked per sample: one continuous stream can last a whole run
@@ -312,6 +325,10 @@ class RolloutWorker(Worker):
                                          between_steps=self._between_steps if continuous else None):
             self.bus.put({name: [getattr(sample, name)] for name in ROLLOUT_FIELDS}, group_ids=[sample.group_id],
                          num_tokens=[sample_tokens(sample)])
+            self._pending[sample.group_id] -= 1
+            if self._pending[sample.group_id] == 0:
+                del self._pending[sample.group_id]
+                self.source.finished(self.consumer, [sample.group_id])
             produced += 1
             self.items += 1
             now = time.monotonic()
@@ -321,8 +338,7 @@ class RolloutWorker(Worker):
 
     def generate(self, num_groups: int) -> int:
         """Colocated mode: sample exactly `num_groups` new groups (admission is the caller's business)."""
-        groups = [(index, row, self.encode(row)) for index, row in self.stream.take(num_groups)]
-        return self._produce(groups, continuous=False)
+        return self._produce(self._groups(self.source.take(num_groups, self.consumer)), continuous=False)
 
     def work_once(self) -> int:
         self._refresh()
@@ -339,7 +355,7 @@ class ActorWorker(Worker):
     def __init__(self, role: Actor, bus, rows_per_step: int, micro_batch_size: int, gate: StalenessGate,
                  extra_fields: list[str], timeout_s: float, publish: Callable[[], None],
                  max_steps: int | None = None, final_tasks: list[str] = ("train",),
-                 dynamic_max_rows: int | None = None) -> None:
+                 dynamic_max_rows: int | None = None, group_size: int = 1) -> None:
         """`final_tasks`: the last consumers of a row, cleared once all took it. `dynamic_max_rows`
         (dynamic sampling): only trainable rows count toward a step, up to this many rows in all."""
         super().__init__("actor")
@@ -348,6 +364,7 @@ class ActorWorker(Worker):
         self.fields = TRAIN_INPUTS + extra_fields
         self.timeout_s, self.publish, self.max_steps = timeout_s, publish, max_steps
         self.final_tasks, self.dynamic_max_rows = list(final_tasks), dynamic_max_rows
+        self.group_size, self.samples_per_group = group_size, Counter()  # to prove nothing arrives twice
         self.unreported: list[dict[str, float]] = []
         self.lock = threading.Lock()  # a checkpoint never sees half a step
 
@@ -355,7 +372,7 @@ class ActorWorker(Worker):
         dynamic = rows is None and self.dynamic_max_rows is not None
         return StreamingDataLoader(
             self.bus, "train", self.fields, self.micro_batch_size, rows or self.rows_per_step,
-            timeout=self.timeout_s, should_stop=self._stop.is_set,
+            timeout=self.timeout_s, should_stop=lambda: not self.beat(),
             counts=(lambda values: sum(r is None for r in values["filter_reason"])) if dynamic else None,
             max_rows=self.dynamic_max_rows if dynamic else None)
 
@@ -385,6 +402,9 @@ class ActorWorker(Worker):
         metrics["time_publish_s"] = time.monotonic() - publish_started
         metrics.update(batch_metrics(seen, version), trained_samples=float(trained),
                        **{f"filtered_{reason}": float(count) for reason, count in filtered.items()})
+        self.samples_per_group.update(s.group_id for s in seen)
+        metrics["total_samples_duplicated"] = float(sum(max(0, c - self.group_size)
+                                                        for c in self.samples_per_group.values()))
         self.items += len(seen)
         self.unreported.append(metrics)
         return metrics

@@ -22,7 +22,7 @@ ALGORITHMS = {
                 "algorithm__loss_horizon": 8},
     "dapo": {"algorithm__dynamic_sampling": True, "algorithm__clip_high": 0.28, "reward__overlong_buffer": 2,
              "reward__overlong_penalty": 0.1},
-    "gspo": {"algorithm__policy_loss": "gspo"},
+    "gspo": {"algorithm__policy_loss": "gspo", "algorithm__aggregation": "seq-mean-token-mean"},
     "sapo": {"algorithm__policy_loss": "sapo"},
     "cispo": {"algorithm__policy_loss": "cispo"},
     "rloo": {"algorithm__advantage": "rloo"},

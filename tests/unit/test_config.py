@@ -181,6 +181,7 @@ def test_to_yaml_round_trip():
     ({"algorithm": {"dynamic_sampling": True, "advantage": "reinforce_pp"}}, "group-relative"),
     ({"algorithm": {"advantage": "grpo"}, "critic": {"path": "x"}}, "algorithm.advantage=gae"),
     ({"algorithm": {"advantage": "gae", "policy_loss": "gspo"}}, "policy_loss=clipped"),
+    ({"algorithm": {"policy_loss": "gspo"}}, "aggregation=seq-mean-token-mean"),
     ({"reward": {"scope": "group"}}, "reward.scope=sample"),
 ])
 def test_algorithm_and_reward_choices_are_checked_together(raw, fix):

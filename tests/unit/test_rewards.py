@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 import textwrap
+import time
 
 import pytest
 
