@@ -3,7 +3,6 @@ budget) for each algorithm, reporting the held-out accuracy gain and the wall ti
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rlx.config import load_config
@@ -23,36 +22,36 @@ ALGORITHMS: dict[str, list[str]] = {
 }
 
 
-def run_algorithm(name: str, work_dir: Path, steps: int) -> dict[str, float]:
-    overrides = ALGORITHMS[name] + [f"train.steps={steps}", f"train.eval_every={steps}", "train.time_budget_s=null",
-                                    "train.checkpoint_every=0", f"logging.run_dir={work_dir / name.lower()}",
-                                    "logging.progress_bar=false"]
-    run_dir = run_colocate(load_config(BASE_CONFIG, overrides), overwrite=True, echo=lambda _: None)
+def result_of(run_dir: Path) -> dict[str, float]:
     records = read_metrics(run_dir)
     evals = [r for r in records if "eval_accuracy" in r]
     trained = [r for r in records if "trained_samples" in r]
-    result = {
+    return {
         "initial": evals[0]["eval_accuracy"], "final": evals[-1]["eval_accuracy"],
         "gain": evals[-1]["eval_accuracy"] - evals[0]["eval_accuracy"],
         "reward_first": trained[0]["reward_mean"], "reward_last": trained[-1]["reward_mean"],
         "wall_s": evals[-1]["wall_time_s"], "steps": float(len(trained)),
     }
-    (run_dir / "result.json").write_text(json.dumps(result))
-    return result
+
+
+def run_algorithm(name: str, work_dir: Path, steps: int) -> dict[str, float]:
+    overrides = ALGORITHMS[name] + [f"train.steps={steps}", f"train.eval_every={steps}", "train.time_budget_s=null",
+                                    "train.checkpoint_every=0", f"logging.run_dir={work_dir / name.lower()}",
+                                    "logging.progress_bar=false"]
+    return result_of(run_colocate(load_config(BASE_CONFIG, overrides), overwrite=True, echo=lambda _: None))
 
 
 def run_algorithms_benchmark(work_dir: Path, steps: int, only: list[str] | None = None) -> dict[str, dict]:
-    """Run every algorithm, or just `only` (the table keeps the others' earlier results in `work_dir`)."""
+    """Run every algorithm, or just `only` (the table keeps the others' earlier runs in `work_dir`)."""
     unknown = set(only or []) - set(ALGORITHMS)
     if unknown:
         raise ValueError(f"unknown algorithms {sorted(unknown)}; choose from {list(ALGORITHMS)}")
     results = {}
     for name in ALGORITHMS:
-        saved = work_dir / name.lower() / "result.json"
         if only is None or name in only:
             results[name] = run_algorithm(name, work_dir, steps)
-        elif saved.exists():
-            results[name] = json.loads(saved.read_text())
+        elif (work_dir / name.lower() / "metrics.jsonl").exists():
+            results[name] = result_of(work_dir / name.lower())
     return results
 
 
