@@ -1,8 +1,9 @@
-"""The `rlx` command line: train, doctor, models, export, plot."""
+"""The `rlx` command line: train, doctor, status, scale, models, export, eval, plot, bench."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -15,7 +16,7 @@ from rlx.errors import UserError
 def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     if config.train.mode == "async":
-        from rlx.orchestration.controller import run_async as run
+        from rlx.orchestration.async_run import run_async as run
     else:
         from rlx.orchestration.colocate import run_colocate as run
     run_dir = run(config, resume=args.resume, overwrite=args.overwrite)
@@ -28,6 +29,32 @@ def _doctor(args: argparse.Namespace) -> int:
     print(config.to_yaml(), end="")
     print("# config OK", file=sys.stderr)
     return 0
+
+
+def _api(run_dir: str) -> tuple[str, dict[str, str]]:
+    """A live run's API URL and auth header, from the files it wrote into its run directory."""
+    where = Path(run_dir)
+    if not (where / "api.json").exists():
+        raise UserError(f"{run_dir} has no api.json: is it an async run that is still going?")
+    token = (where / "api_token").read_text() if (where / "api_token").exists() else ""
+    return json.loads((where / "api.json").read_text())["url"], {"Authorization": f"Bearer {token}"}
+
+
+def _status(args: argparse.Namespace) -> int:
+    import requests
+
+    url, _ = _api(args.run_dir)
+    print(json.dumps(requests.get(f"{url}/v1/status", timeout=30).json(), indent=2))
+    return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    import requests
+
+    url, auth = _api(args.run_dir)
+    response = requests.post(f"{url}/v1/rollout/scale", json={"replicas": args.replicas}, headers=auth, timeout=600)
+    print(json.dumps(response.json()))
+    return 0 if response.ok else 1
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -126,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("config", nargs="?")
     doctor.add_argument("overrides", nargs="*")
     doctor.set_defaults(func=_doctor)
+
+    status = sub.add_parser("status", help="status of a live async run (its management API)")
+    status.add_argument("run_dir")
+    status.set_defaults(func=_status)
+
+    scale = sub.add_parser("scale", help="scale a live async run's rollout replicas")
+    scale.add_argument("run_dir")
+    scale.add_argument("replicas", type=int)
+    scale.set_defaults(func=_scale)
 
     models = sub.add_parser("models", help="models available offline")
     models.add_argument("action", choices=["list"])

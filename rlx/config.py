@@ -173,6 +173,8 @@ class TrainConfig(Section):
     step_timeout_s: float = Field(600.0, gt=0, description="longest wait for one step's samples before failing")
     hang_timeout_s: float = Field(300.0, gt=0, description="a role making no progress this long is hung and "
                                   "gets replaced (async mode)")
+    heartbeat_timeout_s: float = Field(15.0, gt=0, description="a replica silent this long is dead: its work "
+                                       "is recovered (async mode; replicas beat every second)")
     max_restarts_per_role: int = Field(3, ge=0, description="replacements of one role before the run stops")
     max_restarts: int = Field(10, ge=0, description="replacements of all roles together before the run stops")
     seed: int = 0

@@ -61,8 +61,8 @@ def summarize(config: RunConfig, wall_s: float) -> dict[str, float | str]:
 
 
 def run_pipeline_benchmark(work_dir: Path, steps: int = 8, hidden: int = 512, layers: int = 4) -> list[dict]:
+    from rlx.orchestration.async_run import run_async
     from rlx.orchestration.colocate import run_colocate
-    from rlx.orchestration.controller import run_async
 
     work_dir.mkdir(parents=True, exist_ok=True)
     model = build_tiny(work_dir / "model", hidden=hidden, layers=layers, heads=8, seed=0)

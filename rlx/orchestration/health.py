@@ -1,13 +1,15 @@
-"""HealthManager: notices replaced replicas and makes sure their unfinished work is not lost.
+"""HealthManager: notices dead replicas by their silence and makes sure their work is not lost.
 
-Serve replaces a replica whose process died or whose health check failed (a dead or hung worker
-loop). Each replica reports its consumer id in its status; when a role's id changes, the old
-replica is gone and the HealthManager recovers its work:
-- a stateless role's rows that the dead replica took but never finished go back to the bus;
-- a dead Rollout's unfinished groups (fewer than n rows ever reached the bus) are dropped from
-  the bus, since partial groups would bias group statistics, and handed out again.
-Stateful roles (Actor, Critic) hold the optimizer state; losing one stops the run with a clear
-message (global recovery from the last checkpoint is `rlx train --resume`).
+Every replica beats once a second (rlx/orchestration/heartbeats.py). Serve replaces a replica whose
+process died or whose health check failed (a dead worker loop, or one that stopped beating for
+`train.hang_timeout_s`: hung). A replica silent for `train.heartbeat_timeout_s` is dead to the
+HealthManager: it makes sure (kills the process if it is still there, so it cannot deliver late
+duplicates), then recovers its work:
+- rows a stateless role took from the bus but never finished go back to the bus;
+- a dead Rollout's unfinished groups (fewer than n rows ever reached the bus) are dropped from the
+  bus, since partial groups would bias group statistics, and handed out again.
+Stateful roles (Actor, Critic) hold the optimizer state: losing one stops the run with a message
+that says how to continue (`rlx train --resume`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import ray
 
 STATEFUL_ROLES = frozenset({"actor", "critic"})
 # role -> (bus task it takes rows for, the field it writes when done with a row)
@@ -36,58 +40,105 @@ class RoleFailed(RuntimeError):
 @dataclass
 class Recovery:
     role: str
-    old_replica: str
-    new_replica: str
+    replica: str
     rows_released: int
     groups_requeued: int
-    replaced_after_s: float | None  # from the injected fault to the new replica's first status
+    detected_after_s: float | None  # from the injected fault (if any) to the death being noticed
+    replaced_after_s: float | None = None  # from the fault (or the detection) to a new replica's first beat
+    detected_at: float = 0.0  # monotonic clock, internal
 
 
 class HealthManager:
-    def __init__(self, bus, prompts, group_size: int, max_restarts_per_role: int, max_restarts: int) -> None:
-        self.bus, self.prompts, self.group_size = bus, prompts, group_size
+    def __init__(self, bus, prompts, heartbeats, group_size: int, dead_after_s: float,
+                 max_restarts_per_role: int, max_restarts: int) -> None:
+        self.bus, self.prompts, self.heartbeats, self.group_size = bus, prompts, heartbeats, group_size
+        self.dead_after_s = dead_after_s
         self.max_restarts_per_role, self.max_restarts = max_restarts_per_role, max_restarts
-        self.replicas: dict[str, str] = {}
+        self.known: dict[str, str] = {}  # replica -> role
         self.restarts: Counter = Counter()
         self.recoveries: list[Recovery] = []
         self.faults_at: dict[str, float] = {}  # role -> when a fault was injected into it
+        self.live: dict[str, dict[str, Any]] = {}  # replica -> its latest beat
 
     def fault_injected(self, role: str) -> None:
         self.faults_at[role] = time.monotonic()
 
-    def observe(self, statuses: dict[str, dict[str, Any]]) -> list[Recovery]:
-        """Compare each role's replica with the last one seen; recover the work of any replaced one."""
+    def observe(self) -> list[Recovery]:
+        """Read every replica's heartbeat; recover the work of the ones that went silent."""
         found = []
-        for role, status in statuses.items():
+        self.live = {}
+        for replica, beat in self.heartbeats.snapshot().items():
+            role, status = beat["role"], beat["status"]
+            if replica not in self.known:
+                self.known[replica] = role
+                self._replaced(role)
             if status.get("error") and role in STATEFUL_ROLES:
                 raise RoleFailed(f"role {role!r} failed: {status['error']}")
-            previous, current = self.replicas.get(role), status["consumer"]
-            self.replicas[role] = current
-            if previous is not None and previous != current:
-                found.append(self._recover(role, previous, current))
+            if status.get("stopped") and not status.get("failure"):  # scaled in or shut down: it said goodbye
+                self._return_work(role, replica)
+                self.heartbeats.forget(replica)
+            elif status.get("stopped") or beat["silent_s"] > self.dead_after_s:  # failed, or silent: dead
+                found.append(self._recover(role, replica, status))
+            else:
+                self.live[replica] = beat
         return found
 
-    def _recover(self, role: str, old: str, new: str) -> Recovery:
+    def _replaced(self, role: str) -> None:
+        waiting = [r for r in self.recoveries if r.role == role and r.replaced_after_s is None]
+        if waiting:
+            started = self.faults_at.pop(role, None)
+            waiting[0].replaced_after_s = time.monotonic() - (started or waiting[0].detected_at)
+
+    def _recover(self, role: str, replica: str, status: dict[str, Any]) -> Recovery:
         if role in STATEFUL_ROLES:
-            raise RoleFailed(f"role {role!r} lost its replica {old} (replaced by {new}); it holds the optimizer "
-                             "state, so the run stops here: continue with `rlx train <config> --resume`")
+            raise RoleFailed(f"role {role!r} lost its replica {replica} (silent for more than {self.dead_after_s:.0f}s);"
+                             " it holds the optimizer state, so the run stops here: continue with "
+                             "`rlx train <config> --resume`")
         self.restarts[role] += 1
         if self.restarts[role] > self.max_restarts_per_role or sum(self.restarts.values()) > self.max_restarts:
             raise RoleFailed(f"role {role!r} was replaced {self.restarts[role]} times (all roles: "
                              f"{sum(self.restarts.values())}); limits are train.max_restarts_per_role="
                              f"{self.max_restarts_per_role} and train.max_restarts={self.max_restarts}")
-        released, requeued = 0, []
-        if role == "rollout":
-            requeued = self.bus.abandon_incomplete_groups(self.prompts.held_by(old), self.group_size)
-            self.prompts.requeue(old, requeued)
-        else:
-            task, done_field = UNFINISHED_WORK[role]
-            released = self.bus.release_held(old, task, done_field)
-        injected = self.faults_at.pop(role, None)
-        recovery = Recovery(role, old, new, released, len(requeued),
-                            None if injected is None else time.monotonic() - injected)
+        kill_quietly(status.get("actor_name"))  # a silent replica may only be slow: make sure it is gone
+        self.heartbeats.forget(replica)
+        released, requeued = self._return_work(role, replica)
+        injected = self.faults_at.get(role)
+        now = time.monotonic()
+        recovery = Recovery(role, replica, released, requeued, None if injected is None else now - injected,
+                            detected_at=now)
         self.recoveries.append(recovery)
         return recovery
 
+    def _return_work(self, role: str, replica: str) -> tuple[int, int]:
+        """Hand back what `replica` took and did not finish: (rows released, groups requeued)."""
+        if role == "rollout":
+            requeued = self.bus.abandon_incomplete_groups(self.prompts.held_by(replica), self.group_size)
+            self.prompts.requeue(replica, requeued)
+            return 0, len(requeued)
+        if role not in UNFINISHED_WORK:  # stateful roles keep their work in checkpoints
+            return 0, 0
+        task, done_field = UNFINISHED_WORK[role]
+        return self.bus.release_held(replica, task, done_field), 0
+
+    def busy(self) -> dict[str, float]:
+        """Each role's busy fraction, averaged over its live replicas."""
+        per_role: dict[str, list[float]] = {}
+        for beat in self.live.values():
+            per_role.setdefault(beat["role"], []).append(beat["status"]["busy_fraction"])
+        return {f"busy_{role}": sum(values) / len(values) for role, values in per_role.items()}
+
+    def replicas(self, role: str) -> list[dict[str, Any]]:
+        return [{"replica": replica, **beat["status"], "silent_s": beat["silent_s"]}
+                for replica, beat in self.live.items() if beat["role"] == role]
+
     def report(self) -> list[dict[str, Any]]:
-        return [asdict(r) for r in self.recoveries]
+        return [{k: v for k, v in asdict(r).items() if k != "detected_at"} for r in self.recoveries]
+
+
+def kill_quietly(actor_name: str | None) -> None:
+    if not actor_name:
+        return
+    try:
+        ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+    except ValueError:  # already gone
+        pass

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import ray
 from ray import serve
 
 from rlx.bus.ray_bus import Bus
@@ -49,11 +50,13 @@ from rlx.weights.store import WeightStore
 
 @dataclass
 class Shared:
-    """What every service of a run shares: the bus, the weight store and the prompt source."""
+    """What every service of a run shares: the bus, the weight store, the prompt source and the
+    heartbeat board (a Ray actor handle)."""
 
     bus: Bus
     weights: WeightStore
     prompts: PromptSourceClient
+    heartbeats: Any
 
 
 def _rollout(cfg: RunConfig, shared: Shared) -> Worker:
@@ -105,6 +108,9 @@ SERVICE_BUILDERS: dict[str, Callable[[RunConfig, Shared], Worker]] = {
 }
 
 
+HEARTBEAT_S = 1.0
+
+
 def replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -118,16 +124,35 @@ class RoleService:
         prepare_process(cfg, threads=getattr(cfg.resources, role).threads)
         self.role, self.hang_timeout_s = role, cfg.train.hang_timeout_s
         self.consumer = f"{role}-{replica_id()}"
-        self.created_at = time.time()
-        shared = Shared(shared.bus.for_consumer(self.consumer), shared.weights, shared.prompts)
+        self.heartbeats = shared.heartbeats
+        shared = Shared(shared.bus.for_consumer(self.consumer), shared.weights, shared.prompts, shared.heartbeats)
         self.worker = SERVICE_BUILDERS[role](cfg, shared)
         self.worker.run_forever()
+        self.stopped = threading.Event()
+        self.failure: str | None = None  # why the health check failed, if it did
+        threading.Thread(target=self._beat_forever, name="rlx-heartbeat", daemon=True).start()
+
+    def _beat_forever(self) -> None:
+        actor_name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
+        while not self.stopped.wait(HEARTBEAT_S):
+            self.heartbeats.beat.remote(self.role, self.consumer, {**self.status(), "actor_name": actor_name})
 
     def stop(self) -> None:
+        """Finish in-flight work (a rollout completes the groups it started), then say goodbye."""
         self.worker.stop()
+        self.stopped.set()
+        goodbye = {**self.status(), "stopped": True, "failure": self.failure}
+        try:
+            ray.get(self.heartbeats.beat.remote(self.role, self.consumer, goodbye), timeout=10)
+        except ray.exceptions.RayError:  # the run is shutting down: nobody is listening any more
+            pass
+
+    def __del__(self) -> None:  # Serve calls this when it removes the replica (scale-in, shutdown)
+        if hasattr(self, "stopped") and not self.stopped.is_set():
+            self.stop()
 
     def status(self) -> dict[str, Any]:
-        return {**self.worker.status(), "consumer": self.consumer, "created_at": self.created_at}
+        return {**self.worker.status(), "consumer": self.consumer}
 
     def call(self, method: str, *args: Any) -> Any:
         """Run a role-specific method of the worker (e.g. the actor's checkpoint)."""
@@ -141,9 +166,11 @@ class RoleService:
             self.worker.hang()
 
     def check_health(self) -> None:
-        if self.worker.error:
-            raise RuntimeError(f"{self.role} worker stopped: {self.worker.error}")
         silent = time.monotonic() - self.worker.last_beat
-        if silent > self.hang_timeout_s:
-            raise RuntimeError(f"{self.role} is hung: no progress for {silent:.0f}s "
-                               f"(train.hang_timeout_s={self.hang_timeout_s:.0f})")
+        if self.worker.error:
+            self.failure = f"{self.role} worker stopped: {self.worker.error}"
+        elif silent > self.hang_timeout_s:
+            self.failure = (f"{self.role} is hung: no progress for {silent:.0f}s "
+                            f"(train.hang_timeout_s={self.hang_timeout_s:.0f})")
+        if self.failure:
+            raise RuntimeError(self.failure)

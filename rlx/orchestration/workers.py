@@ -244,9 +244,10 @@ class CriticWorker(Worker):
     def work_once(self) -> int:
         return self._values() + self._train()
 
-    def status(self) -> dict[str, Any]:
+    def take_reported(self) -> list[dict[str, float]]:
+        """Metrics of the training steps finished since the last call (each handed out once)."""
         reported, self.unreported = self.unreported, []
-        return {**super().status(), "steps": reported}
+        return reported
 
 
 class LogProbWorker(Worker):
@@ -313,7 +314,10 @@ class RolloutWorker(Worker):
         return [(group_id, row, self.encode(row)) for group_id, row in issued]
 
     def admit(self, max_groups: int) -> list[Group]:
-        """Up to `max_groups` groups, as many as the staleness gate allows now."""
+        """Up to `max_groups` groups, as many as the staleness gate allows now (none once stopping:
+        the groups in flight finish, so a replica removed by scale-in hands nothing back)."""
+        if self._stop.is_set():
+            return []
         return self._groups(self.source.take(max_groups, self.consumer, self._version, self._dropped))
 
     def _produce(self, groups: list[Group], continuous: bool) -> int:
@@ -339,6 +343,10 @@ class RolloutWorker(Worker):
     def generate(self, num_groups: int) -> int:
         """Colocated mode: sample exactly `num_groups` new groups (admission is the caller's business)."""
         return self._produce(self._groups(self.source.take(num_groups, self.consumer)), continuous=False)
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "weight_version": self.role.engine.weight_version,
+                "groups_in_flight": len(self._pending)}
 
     def work_once(self) -> int:
         self._refresh()
@@ -417,10 +425,13 @@ class ActorWorker(Worker):
             self.train_step()
         return self.rows_per_step
 
-    def status(self) -> dict[str, Any]:
-        """Includes the metrics of steps finished since the last call (each reported once)."""
+    def take_reported(self) -> list[dict[str, float]]:
+        """Metrics of the steps finished since the last call (each handed out once)."""
         reported, self.unreported = self.unreported, []
-        return {**super().status(), "version": self.role.version, "steps": reported}
+        return reported
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "version": self.role.version}
 
     def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> str:
         with self.lock:

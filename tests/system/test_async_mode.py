@@ -5,7 +5,7 @@ from __future__ import annotations
 import psutil
 
 from rlx.obs.metrics import read_metrics
-from rlx.orchestration.controller import run_async
+from rlx.orchestration.async_run import run_async
 from tests.integration.test_colocate_loop import toy_config
 
 

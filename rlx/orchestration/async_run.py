@@ -1,0 +1,161 @@
+"""Async mode: every role is its own Ray Serve deployment; they meet on the bus.
+
+The driver only watches: it collects the Actor's (and Critic's) step metrics, reads every
+replica's heartbeat, lets the HealthManager recover dead replicas' work, injects configured
+faults, evaluates on the held-out split, serves the management API, and shuts everything down on
+success, error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from rlx.config import ConfigError, RunConfig
+from rlx.data import load_splits
+from rlx.engines.generation.base import SamplingParams
+from rlx.obs import MetricsWriter, plot_run
+from rlx.orchestration.api import ApiServer
+from rlx.orchestration.builder import (
+    build_reward_role,
+    build_rollout,
+    model_path,
+    prepare_process,
+    prompt_encoder,
+    sampling_params,
+)
+from rlx.orchestration.controller import Controller, role_names
+from rlx.orchestration.evaluation import evaluate
+from rlx.orchestration.health import HealthManager
+from rlx.orchestration.run_dir import checkpoint_path, prepare_run_dir
+from rlx.weights.store import WeightStore
+
+POLL_S = 2.0  # status round trips cost CPU the roles need
+
+
+class DriverEvaluator:
+    """Greedy held-out evaluation in the driver, on the latest published weights."""
+
+    def __init__(self, config: RunConfig, weights: WeightStore) -> None:
+        self.config, self.weights = config, weights
+        self.rows = load_splits(config.data)[1]
+        self.rollout = build_rollout(config, model_path(config))
+        self.reward = build_reward_role(config)
+        self.encode = prompt_encoder(config, self.rollout.tokenizer)
+        self.params: SamplingParams = sampling_params(config, seed=0, greedy=True)
+
+    def __call__(self) -> dict[str, float]:
+        self.weights.pull(self.rollout.engine.weight_version, self.rollout.load_weights)
+        metrics = evaluate(self.rollout, self.reward, self.rows, self.encode, self.params)
+        return {**metrics, "eval_weight_version": float(self.rollout.engine.weight_version)}
+
+
+def check_faults(config: RunConfig) -> None:
+    roles = role_names(config)
+    for fault in config.faults:
+        if fault.role not in roles:
+            raise ConfigError(f"faults: role {fault.role!r} is not part of this run; its roles are {', '.join(roles)}")
+
+
+class AsyncRun:
+    """One async run, and the RunControl the management API drives."""
+
+    def __init__(self, config: RunConfig, run_dir: Path, echo: Callable[[str], None]) -> None:
+        self.config, self.run_dir, self.echo = config, run_dir, echo
+        self.controller = Controller(config, echo)
+        self.step = 0
+        self.stop_requested = threading.Event()
+
+    # -- RunControl ------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        roles: dict[str, list] = {}
+        for beat in self.health.live.values():
+            roles.setdefault(beat["role"], []).append(beat["status"])
+        return {"step": self.step, "steps": self.config.train.steps, "roles": roles,
+                "recoveries": self.health.report(), "prompts": self.controller.prompts.state()}
+
+    def engines(self) -> list[dict[str, Any]]:
+        return self.health.replicas("rollout")
+
+    def scale(self, replicas: int) -> dict[str, Any]:
+        self.echo(f"scaling rollout to {replicas} replicas")
+        return self.controller.scale_rollout(replicas)
+
+    def checkpoint(self) -> str:
+        state = {"loop_step": self.step, "data_position": self.controller.prompts.state()["position"], "totals": {}}
+        return self.controller.call("actor", "call", "save_checkpoint", str(checkpoint_path(self.run_dir, self.step)),
+                                    state)
+
+    def stop(self) -> None:
+        self.stop_requested.set()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self, writer: MetricsWriter, started: float) -> None:
+        cfg, t, c = self.config, self.config.train, self.controller
+        c.start_substrate()
+        evaluator = DriverEvaluator(cfg, c.weights)
+        writer.write(0, evaluator())  # the initial weights, before any role competes for the CPU
+        c.deploy()
+        self.health = HealthManager(c.bus, c.prompts, c.heartbeats, cfg.rollout.n, t.heartbeat_timeout_s,
+                                    t.max_restarts_per_role, t.max_restarts)
+        api = ApiServer(self, self.run_dir).start()
+        self.echo(f"management API on {api.url} (token in {self.run_dir / 'api_token'})")
+        pending_faults, critic_steps = list(cfg.faults), []
+        try:
+            while self.step < t.steps and not self.stop_requested.is_set():
+                time.sleep(POLL_S)
+                for r in self.health.observe():
+                    self.echo(f"recovered {r.role}: replica {r.replica} is gone; {r.rows_released} rows back on "
+                              f"the bus, {r.groups_requeued} prompt groups handed out again")
+                if "critic" in c.handles:
+                    critic_steps.extend(c.call("critic", "call", "take_reported"))
+                for metrics in c.call("actor", "call", "take_reported"):
+                    self.step += 1
+                    metrics.update(critic_steps.pop(0) if critic_steps else {})
+                    metrics.update(self.health.busy(), wall_time_s=time.perf_counter() - started,
+                                   recoveries=float(len(self.health.recoveries)))
+                    if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
+                        metrics.update(evaluator())
+                    writer.write(self.step, metrics)
+                for fault in [f for f in pending_faults if f.at_step <= self.step]:
+                    pending_faults.remove(fault)
+                    self.echo(f"injecting fault: {fault.kind} {fault.role} after step {self.step}")
+                    c.call(fault.role, "inject_fault", fault.kind)
+                    self.health.fault_injected(fault.role)
+                if t.time_budget_s is not None and time.perf_counter() - started > t.time_budget_s:
+                    self.echo(f"time budget of {t.time_budget_s:.0f}s reached after {self.step} steps")
+                    break
+            c.call("rollout", "stop")
+            self.checkpoint()
+            (self.run_dir / "health.json").write_text(json.dumps(
+                {"recoveries": self.health.report(), "prompts": c.prompts.state(), "bus": c.bus.metrics()}, indent=2))
+            final = evaluator()
+            final["wall_time_s"] = time.perf_counter() - started
+            writer.write(self.step, final)
+        finally:
+            api.stop()
+
+
+def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
+              echo: Callable[[str], None] = print) -> Path:
+    if resume:
+        raise ConfigError("--resume works in colocate mode only for now: async resume needs the bus state "
+                          "in checkpoints; run with train.mode=colocate or start a new run")
+    check_faults(config)
+    run_dir = prepare_run_dir(config, resume, overwrite)
+    load_splits(config.data)  # bad data or a reward that cannot load stop the run before any service starts
+    build_reward_role(config)
+    prepare_process(config)
+    started = time.perf_counter()
+    run = AsyncRun(config, run_dir, echo)
+    writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard, echo=echo)
+    try:
+        run.run(writer, started)
+    finally:
+        writer.close()
+        run.controller.shutdown()
+    plot_run(run_dir)
+    return run_dir
