@@ -69,7 +69,7 @@ def drive(run_dir: Path, seen: dict) -> None:
 
 
 def test_api_scales_rollout_and_guards_every_mutation(tiny_path, tmp_path):
-    config = toy_config(tiny_path, tmp_path, train__steps=200, train__mode="async", train__max_staleness=1,
+    config = toy_config(tiny_path, tmp_path, train__steps=100_000, train__mode="async", train__max_staleness=1,
                         rollout__prompts_per_step=2, rollout__max_batch_size=16)
     run_dir = Path(config.logging.run_dir)
     seen: dict = {}
@@ -97,7 +97,7 @@ def test_api_scales_rollout_and_guards_every_mutation(tiny_path, tmp_path):
     assert Path(seen["checkpoint"], "model.safetensors").exists()
     assert seen["stop"] == 200
     steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
-    assert 5 <= len(steps) < 200  # stopped through the API, long before its 200 steps
+    assert 5 <= len(steps) < 100_000  # it ends only because the API stopped it
     assert steps[-1]["total_samples_duplicated"] == 0  # scale-in and scale-out lost and repeated nothing
     rate = lambda a, b: (b - a) * 16 / (steps[b - 1]["wall_time_s"] - steps[a - 1]["wall_time_s"])  # noqa: E731
     print(f"samples/s with 1 replica: {rate(1, seen['step_at_2']):.2f}; "
