@@ -14,8 +14,9 @@ from rlx.bus.samplers import SamplerSpec, make_sampler
 
 
 class LocalBus:
-    def __init__(self, capacity: int = 100_000) -> None:
+    def __init__(self, capacity: int = 100_000, consumer: str | None = None) -> None:
         self.index = BusIndex(capacity)
+        self.consumer = consumer
         self.changed = threading.Condition()
         self.wait_seconds: dict[str, float] = {}
 
@@ -56,7 +57,8 @@ class LocalBus:
     def get(self, task: str, fields: list[str], batch_size: int, timeout: float | None = None,
             sampler: SamplerSpec | None = None, partial: bool = False) -> tuple[list[int], dict[str, list]]:
         chooser, started = make_sampler(sampler), time.monotonic()
-        row_ids = self._wait_until(lambda: self.index.take(task, fields, batch_size, chooser, partial), timeout,
+        row_ids = self._wait_until(lambda: self.index.take(task, fields, batch_size, chooser, partial,
+                                                           self.consumer), timeout,
                                    lambda: self.index.timeout_message(task, fields, batch_size, timeout))
         with self.changed:
             self.wait_seconds[task] = self.wait_seconds.get(task, 0.0) + time.monotonic() - started
@@ -66,8 +68,8 @@ class LocalBus:
              sampler: SamplerSpec | None = None, partial: bool = False) -> tuple[list[int], dict[str, list]]:
         """Like `get`, but an empty result instead of an error when nothing is ready in time."""
         chooser = make_sampler(sampler)
-        row_ids = self._wait_until(lambda: self.index.take(task, fields, batch_size, chooser, partial), timeout,
-                                   None) or []
+        row_ids = self._wait_until(lambda: self.index.take(task, fields, batch_size, chooser, partial, self.consumer),
+                                   timeout, None) or []
         with self.changed:
             return row_ids, self.index.values(row_ids, fields) if row_ids else {}
 
@@ -86,6 +88,25 @@ class LocalBus:
             done = self.index.clear_consumed(tasks)
             self.changed.notify_all()
             return done
+
+    def for_consumer(self, consumer: str) -> LocalBus:
+        """The same bus (shared index and lock), taking rows as `consumer`."""
+        view = LocalBus.__new__(LocalBus)
+        view.__dict__.update(self.__dict__)
+        view.consumer = consumer
+        return view
+
+    def release_held(self, consumer: str, task: str, done_field: str) -> int:
+        with self.changed:
+            released = self.index.release_held(consumer, task, done_field)
+            self.changed.notify_all()
+            return released
+
+    def abandon_incomplete_groups(self, group_ids: list[int], group_size: int) -> list[int]:
+        with self.changed:
+            dropped = self.index.abandon_incomplete_groups(group_ids, group_size)
+            self.changed.notify_all()
+            return dropped
 
     def count(self, name: str, amount: int) -> None:
         with self.changed:

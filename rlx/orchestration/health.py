@@ -44,8 +44,8 @@ class Recovery:
     rows_released: int
     groups_requeued: int
     detected_after_s: float | None  # from the injected fault (if any) to the death being noticed
-    replaced_after_s: float | None = None  # from the fault (or the detection) to a new replica's first beat
-    detected_at: float = 0.0  # monotonic clock, internal
+    replaced_after_s: float | None = None  # from the fault (or the last beat) to a new replica's first beat
+    died_at: float = 0.0  # monotonic: the injected fault, or the dead replica's last beat
 
 
 class HealthManager:
@@ -54,7 +54,7 @@ class HealthManager:
         self.bus, self.prompts, self.heartbeats, self.group_size = bus, prompts, heartbeats, group_size
         self.dead_after_s = dead_after_s
         self.max_restarts_per_role, self.max_restarts = max_restarts_per_role, max_restarts
-        self.known: dict[str, str] = {}  # replica -> role
+        self.known: dict[str, tuple[str, float]] = {}  # replica -> (role, monotonic time of its first beat)
         self.restarts: Counter = Counter()
         self.recoveries: list[Recovery] = []
         self.faults_at: dict[str, float] = {}  # role -> when a fault was injected into it
@@ -70,26 +70,19 @@ class HealthManager:
         for replica, beat in self.heartbeats.snapshot().items():
             role, status = beat["role"], beat["status"]
             if replica not in self.known:
-                self.known[replica] = role
-                self._replaced(role)
+                self.known[replica] = (role, time.monotonic() - beat["age_s"])
             if status.get("error") and role in STATEFUL_ROLES:
                 raise RoleFailed(f"role {role!r} failed: {status['error']}")
             if status.get("stopped") and not status.get("failure"):  # scaled in or shut down: it said goodbye
                 self._return_work(role, replica)
                 self.heartbeats.forget(replica)
             elif status.get("stopped") or beat["silent_s"] > self.dead_after_s:  # failed, or silent: dead
-                found.append(self._recover(role, replica, status))
+                found.append(self._recover(role, replica, status, time.monotonic() - beat["silent_s"]))
             else:
                 self.live[replica] = beat
         return found
 
-    def _replaced(self, role: str) -> None:
-        waiting = [r for r in self.recoveries if r.role == role and r.replaced_after_s is None]
-        if waiting:
-            started = self.faults_at.pop(role, None)
-            waiting[0].replaced_after_s = time.monotonic() - (started or waiting[0].detected_at)
-
-    def _recover(self, role: str, replica: str, status: dict[str, Any]) -> Recovery:
+    def _recover(self, role: str, replica: str, status: dict[str, Any], last_beat: float) -> Recovery:
         if role in STATEFUL_ROLES:
             raise RoleFailed(f"role {role!r} lost its replica {replica} (silent for more than {self.dead_after_s:.0f}s);"
                              " it holds the optimizer state, so the run stops here: continue with "
@@ -102,12 +95,18 @@ class HealthManager:
         kill_quietly(status.get("actor_name"))  # a silent replica may only be slow: make sure it is gone
         self.heartbeats.forget(replica)
         released, requeued = self._return_work(role, replica)
-        injected = self.faults_at.get(role)
-        now = time.monotonic()
-        recovery = Recovery(role, replica, released, requeued, None if injected is None else now - injected,
-                            detected_at=now)
+        injected = self.faults_at.pop(role, None)
+        recovery = Recovery(role, replica, released, requeued,
+                            None if injected is None else time.monotonic() - injected,
+                            died_at=last_beat if injected is None else injected)
         self.recoveries.append(recovery)
         return recovery
+
+    def _replacement_delay(self, recovery: Recovery) -> float | None:
+        """From the death to the first beat of the next replica of the same role, if one came."""
+        firsts = [first for replica, (role, first) in self.known.items()
+                  if role == recovery.role and replica != recovery.replica and first >= recovery.died_at]
+        return min(firsts) - recovery.died_at if firsts else None
 
     def _return_work(self, role: str, replica: str) -> tuple[int, int]:
         """Hand back what `replica` took and did not finish: (rows released, groups requeued)."""
@@ -132,7 +131,11 @@ class HealthManager:
                 for replica, beat in self.live.items() if beat["role"] == role]
 
     def report(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in asdict(r).items() if k != "detected_at"} for r in self.recoveries]
+        out = []
+        for recovery in self.recoveries:
+            recovery.replaced_after_s = self._replacement_delay(recovery)
+            out.append({k: v for k, v in asdict(recovery).items() if k != "died_at"})
+        return out
 
 
 def kill_quietly(actor_name: str | None) -> None:

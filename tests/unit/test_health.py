@@ -1,0 +1,89 @@
+"""HealthManager bookkeeping, in-process: a silent replica's work goes back, nothing is lost.
+
+The heartbeat board, bus and prompt source are the real classes, used in-process; silence is
+simulated by moving a replica's last beat into the past (standing in for a dead process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlx.bus import LocalBus
+from rlx.data.rows import PromptRow
+from rlx.data.stream import PromptStream
+from rlx.orchestration.health import HealthManager, RoleFailed
+from rlx.orchestration.heartbeats import Heartbeats
+from rlx.orchestration.prompt_source import PromptSource
+from rlx.orchestration.staleness import StalenessGate
+
+N = 2  # responses per prompt
+
+
+def setup():
+    bus, beats = LocalBus(), Heartbeats()
+    prompts = PromptSource(PromptStream([PromptRow(f"q{i}", "a") for i in range(10)], seed=0), StalenessGate(0, 2))
+    health = HealthManager(bus, prompts, beats, group_size=N, dead_after_s=5, max_restarts_per_role=1, max_restarts=5)
+    return bus, beats, prompts, health
+
+
+def go_silent(beats: Heartbeats, replica: str) -> None:
+    beats.replicas[replica]["last"] -= 60
+
+
+def put_group(bus, group_id: int, rows: int) -> list[int]:
+    return bus.put({"x": [0] * rows}, group_ids=[group_id] * rows)
+
+
+def test_a_dead_rewarders_unfinished_rows_go_back_and_finished_ones_stay():
+    bus, beats, _, health = setup()
+    rows = put_group(bus, 0, N) + put_group(bus, 1, N)
+    dying = bus.for_consumer("reward-a")
+    taken, _ = dying.get("reward", ["x"], 4)
+    bus.put_fields(taken[:2], {"reward": [1.0, 0.0]})  # finished two of the four before dying
+    beats.beat("reward", "reward-a", {"busy_fraction": 0.5})
+    assert health.observe() == []
+    go_silent(beats, "reward-a")
+    [recovery] = health.observe()
+    assert (recovery.role, recovery.rows_released) == ("reward", 2)
+    again, _ = bus.get("reward", ["x"], 4, timeout=0, partial=True)
+    assert again == rows[2:]  # only the unfinished rows are handed out again
+    assert "reward-a" not in beats.snapshot()
+
+
+def test_a_dead_rollouts_partial_groups_are_dropped_and_handed_out_again():
+    bus, beats, prompts, health = setup()
+    issued = prompts.take(3, "rollout-a", version=0)
+    assert [g for g, _ in issued] == [0, 1]  # the staleness gate allows two groups at version 0
+    put_group(bus, 0, N)  # group 0 complete (its "finished" note died with the replica)
+    put_group(bus, 1, 1)  # group 1 half done
+    beats.beat("rollout", "rollout-a", {"busy_fraction": 1.0})
+    health.observe()
+    go_silent(beats, "rollout-a")
+    [recovery] = health.observe()
+    assert recovery.groups_requeued == 1
+    assert sorted(bus.index.rows_per_group) == [0, 1] and len(bus.index.rows) == N  # group 1's row is gone
+    assert prompts.take(1, "rollout-b") == [issued[1]]  # the same prompt, first in line
+
+
+def test_stateful_roles_and_restart_limits_stop_the_run_with_a_reason():
+    bus, beats, _, health = setup()
+    beats.beat("advantages", "adv-a", {})
+    beats.beat("advantages", "adv-b", {})
+    health.observe()
+    go_silent(beats, "adv-a")
+    health.observe()
+    go_silent(beats, "adv-b")
+    with pytest.raises(RoleFailed, match="max_restarts_per_role=1"):
+        health.observe()
+    bus, beats, _, health = setup()
+    beats.beat("actor", "actor-a", {})
+    health.observe()
+    go_silent(beats, "actor-a")
+    with pytest.raises(RoleFailed, match="--resume"):
+        health.observe()
+
+
+def test_a_replica_that_said_goodbye_is_not_a_failure():
+    bus, beats, _, health = setup()
+    beats.beat("rollout", "rollout-a", {"stopped": True, "failure": None})
+    assert health.observe() == [] and health.recoveries == []
+    assert beats.snapshot() == {}
