@@ -216,6 +216,8 @@ class LoggingConfig(Section):
     run_dir: str | None = Field(None, description="default runs/<name>")
     progress_bar: bool = True
     tensorboard: bool = False
+    alerts: list[str] = Field(default_factory=list, description="Apprise URLs notified on failure, recovery "
+                              "and finish (e.g. json://127.0.0.1:8000/hook, mailto://, slack://)")
 
 
 class RunConfig(Section):

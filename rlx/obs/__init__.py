@@ -1,6 +1,7 @@
-"""Observability: metrics lines, metrics.jsonl, TensorBoard, plots."""
+"""Observability: metrics lines, metrics.jsonl, TensorBoard, plots, alerts."""
 
+from rlx.obs.alerts import Alerts
 from rlx.obs.metrics import MetricsWriter
 from rlx.obs.plot import plot_run
 
-__all__ = ["MetricsWriter", "plot_run"]
+__all__ = ["Alerts", "MetricsWriter", "plot_run"]

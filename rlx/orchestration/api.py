@@ -12,6 +12,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -113,18 +114,25 @@ class ApiServer:
         self.token = secrets.token_urlsafe(32)
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
+        self.run_dir = run_dir
         token_file = run_dir / "api_token"
         token_file.unlink(missing_ok=True)
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(self.token)
-        (run_dir / "api.json").write_text(json.dumps({"url": self.url}))
         config = uvicorn.Config(build_api(control, self.token), host=host, port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="rlx-api", daemon=True)
 
-    def start(self) -> ApiServer:
+    def start(self, timeout_s: float = 30.0) -> ApiServer:
+        """Returns once the server accepts connections; only then is `api.json` written."""
         self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the management API did not start on {self.url}")
+            time.sleep(0.05)
+        (self.run_dir / "api.json").write_text(json.dumps({"url": self.url}))
         return self
 
     def stop(self) -> None:

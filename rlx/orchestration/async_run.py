@@ -17,7 +17,7 @@ from typing import Any, Callable
 from rlx.config import ConfigError, RunConfig
 from rlx.data import load_splits
 from rlx.engines.generation.base import SamplingParams
-from rlx.obs import MetricsWriter, plot_run
+from rlx.obs import Alerts, MetricsWriter, plot_run
 from rlx.orchestration.api import ApiServer
 from rlx.orchestration.builder import (
     build_reward_role,
@@ -63,8 +63,8 @@ def check_faults(config: RunConfig) -> None:
 class AsyncRun:
     """One async run, and the RunControl the management API drives."""
 
-    def __init__(self, config: RunConfig, run_dir: Path, echo: Callable[[str], None]) -> None:
-        self.config, self.run_dir, self.echo = config, run_dir, echo
+    def __init__(self, config: RunConfig, run_dir: Path, echo: Callable[[str], None], alerts: Alerts) -> None:
+        self.config, self.run_dir, self.echo, self.alerts = config, run_dir, echo, alerts
         self.controller = Controller(config, echo)
         self.step = 0
         self.stop_requested = threading.Event()
@@ -108,8 +108,10 @@ class AsyncRun:
             while self.step < t.steps and not self.stop_requested.is_set():
                 time.sleep(POLL_S)
                 for r in self.health.observe():
-                    self.echo(f"recovered {r.role}: replica {r.replica} is gone; {r.rows_released} rows back on "
-                              f"the bus, {r.groups_requeued} prompt groups handed out again")
+                    message = (f"recovered {r.role}: replica {r.replica} is gone; {r.rows_released} rows back on "
+                               f"the bus, {r.groups_requeued} prompt groups handed out again")
+                    self.echo(message)
+                    self.alerts.notify("recovery", message)
                 if "critic" in c.handles:
                     critic_steps.extend(c.call("critic", "call", "take_reported"))
                 for metrics in c.call("actor", "call", "take_reported"):
@@ -128,13 +130,16 @@ class AsyncRun:
                 if t.time_budget_s is not None and time.perf_counter() - started > t.time_budget_s:
                     self.echo(f"time budget of {t.time_budget_s:.0f}s reached after {self.step} steps")
                     break
-            c.call("rollout", "stop")
+            for role in ("rollout", "actor"):  # the actor may be mid-step, waiting for rows that will not come
+                c.call(role, "stop")
             self.checkpoint()
             (self.run_dir / "health.json").write_text(json.dumps(
                 {"recoveries": self.health.report(), "prompts": c.prompts.state(), "bus": c.bus.metrics()}, indent=2))
             final = evaluator()
             final["wall_time_s"] = time.perf_counter() - started
             writer.write(self.step, final)
+            self.alerts.notify("finished", f"{self.step} steps in {final['wall_time_s']:.0f}s; held-out accuracy "
+                               f"{final.get('eval_accuracy', float('nan')):.3f}; {len(self.health.recoveries)} recoveries")
         finally:
             api.stop()
 
@@ -149,11 +154,15 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
     load_splits(config.data)  # bad data or a reward that cannot load stop the run before any service starts
     build_reward_role(config)
     prepare_process(config)
+    alerts = Alerts(config.logging.alerts, config.logging.name)
     started = time.perf_counter()
-    run = AsyncRun(config, run_dir, echo)
+    run = AsyncRun(config, run_dir, echo, alerts)
     writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard, echo=echo)
     try:
         run.run(writer, started)
+    except BaseException as exc:
+        alerts.notify("failure", f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         writer.close()
         run.controller.shutdown()

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from rlx.bus import LocalBus
 from rlx.config import RunConfig
-from rlx.obs import MetricsWriter, plot_run
+from rlx.obs import Alerts, MetricsWriter, plot_run
 from rlx.orchestration.builder import Workers, build_components, build_workers
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.run_dir import checkpoint_path, latest_checkpoint, prepare_run_dir
@@ -87,6 +87,16 @@ def train_one_step(workers: Workers, config: RunConfig) -> dict[str, float]:
 
 def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = False,
                  echo: Callable[[str], None] = print) -> Path:
+    alerts = Alerts(config.logging.alerts, config.logging.name)
+    try:
+        return train_colocated(config, resume, overwrite, echo, alerts)
+    except BaseException as exc:
+        alerts.notify("failure", f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Callable[[str], None],
+                    alerts: Alerts) -> Path:
     run_dir = prepare_run_dir(config, resume, overwrite)
     started = time.perf_counter()
     c = build_components(config)
@@ -144,6 +154,8 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
         final["wall_time_s"] = time.perf_counter() - started
         writer.write(step, final)
         save()
+        alerts.notify("finished", f"{step} steps in {final['wall_time_s']:.0f}s; held-out accuracy "
+                      f"{final.get('eval_accuracy', float('nan')):.3f}")
     finally:
         bar.close()
         writer.close()

@@ -15,6 +15,7 @@ from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Callable
 
+from rlx.bus.core import BusTimeout
 from rlx.bus.loader import StreamingDataLoader
 from rlx.data.rows import PromptRow
 from rlx.data.sample import Sample
@@ -422,7 +423,12 @@ class ActorWorker(Worker):
             time.sleep(0.05)
             return 0
         with self.lock:
-            self.train_step()
+            try:
+                self.train_step()
+            except BusTimeout:
+                if self._stop.is_set():  # asked to stop mid-step: the unfinished step is dropped
+                    return 0
+                raise
         return self.rows_per_step
 
     def take_reported(self) -> list[dict[str, float]]:

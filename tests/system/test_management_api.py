@@ -21,7 +21,10 @@ from tests.integration.test_colocate_loop import toy_config
 def wait_for(predicate, timeout: float = 300.0, every: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = predicate()
+        try:
+            value = predicate()
+        except (OSError, ValueError, requests.RequestException):  # the run is still starting
+            value = None
         if value:
             return value
         time.sleep(every)
@@ -69,8 +72,9 @@ def drive(run_dir: Path, seen: dict) -> None:
 
 
 def test_api_scales_rollout_and_guards_every_mutation(tiny_path, tmp_path):
+    # far more steps than the test lasts: the run ends through /v1/stop (the budget is only a safety net)
     config = toy_config(tiny_path, tmp_path, train__steps=100_000, train__mode="async", train__max_staleness=1,
-                        rollout__prompts_per_step=2, rollout__max_batch_size=16)
+                        rollout__prompts_per_step=2, rollout__max_batch_size=16, train__time_budget_s=900)
     run_dir = Path(config.logging.run_dir)
     seen: dict = {}
     errors: list[BaseException] = []
@@ -80,9 +84,9 @@ def test_api_scales_rollout_and_guards_every_mutation(tiny_path, tmp_path):
             drive(run_dir, seen)
         except BaseException as exc:  # surfaced below; the run still has to be stopped
             errors.append(exc)
-            if (run_dir / "api.json").exists():
-                url = json.loads((run_dir / "api.json").read_text())["url"]
-                requests.post(f"{url}/v1/stop", headers={"Authorization": f"Bearer {(run_dir / 'api_token').read_text()}"})
+            url = wait_for(lambda: json.loads((run_dir / "api.json").read_text())["url"])
+            token = (run_dir / "api_token").read_text()
+            requests.post(f"{url}/v1/stop", headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
     thread = threading.Thread(target=driver, daemon=True)
     thread.start()
@@ -97,7 +101,7 @@ def test_api_scales_rollout_and_guards_every_mutation(tiny_path, tmp_path):
     assert Path(seen["checkpoint"], "model.safetensors").exists()
     assert seen["stop"] == 200
     steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
-    assert 5 <= len(steps) < 100_000  # it ends only because the API stopped it
+    assert len(steps) >= 5
     assert steps[-1]["total_samples_duplicated"] == 0  # scale-in and scale-out lost and repeated nothing
     rate = lambda a, b: (b - a) * 16 / (steps[b - 1]["wall_time_s"] - steps[a - 1]["wall_time_s"])  # noqa: E731
     print(f"samples/s with 1 replica: {rate(1, seen['step_at_2']):.2f}; "
