@@ -102,6 +102,8 @@ class RewardConfig(Section):
         "sample", description="a custom reward scores one response (fn(completion, label, metadata)) or a whole "
         "group (fn(completions, label, metadata) -> list of scores)")
     timeout_s: float = Field(60.0, gt=0.0, description="a reward call running longer fails its samples")
+    format_pattern: str | None = Field(None, description="reward.name=format: regex the whole completion must "
+                                       "match (default <think>..</think><answer>..</answer>)")
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment over the last N tokens (0: off)")
     overlong_penalty: float = Field(1.0, ge=0.0, description="penalty at the length cap")

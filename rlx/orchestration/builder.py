@@ -124,7 +124,7 @@ def build_reward_role(config: RunConfig) -> Reward | GenRM:
     r = config.reward
     if r.name == "genrm":
         return build_genrm(config)
-    return Reward(build_reward(r.name, r.extract), max_length=config.rollout.max_new_tokens,
+    return Reward(build_reward(r.name, r.extract, r.format_pattern), max_length=config.rollout.max_new_tokens,
                   overlong_buffer=r.overlong_buffer, overlong_factor=r.overlong_penalty, scope=r.scope,
                   timeout_s=r.timeout_s)
 

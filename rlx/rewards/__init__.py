@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 
 from rlx.config import ConfigError
 from rlx.rewards.builtin import REWARDS, RewardFn
@@ -30,7 +31,7 @@ def build_judge_parser(spec: str) -> JudgeParser:
     return JUDGE_PARSERS.get(spec)
 
 
-def build_reward(name: str, extract: str) -> RewardFn:
+def build_reward(name: str, extract: str, format_pattern: str | None = None) -> RewardFn:
     """A built-in reward by name, or `package.module:function` (called as fn(completion, label, metadata))."""
     if name == "genrm":
         raise ConfigError("reward.name=genrm is a judge role, not a function: build it with the GenRM role")
@@ -38,6 +39,11 @@ def build_reward(name: str, extract: str) -> RewardFn:
         return load_custom_reward(name)
     if name not in REWARDS:
         raise ConfigError(f"reward.name={name!r} is unknown; use one of {REWARDS.names()} or module:function")
+    if name == "format" and format_pattern is not None:
+        try:
+            return REWARDS.get(name)(extract, format_pattern)
+        except re.error as exc:
+            raise ConfigError(f"reward.format_pattern={format_pattern!r} is not a valid regex: {exc}") from None
     return REWARDS.get(name)(extract)
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Callable
 
 from rlx.registry import Registry
-from rlx.rewards.extract import extract_answer
+from rlx.rewards.extract import extract_answer, extract_choice
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
 # Factories: extraction mode -> reward function.
@@ -55,5 +56,33 @@ def math_verify_reward(extract: str) -> RewardFn:
         gold = parse(f"${label}$") or parse(str(label))
         guess = parse(f"${answer}$") or parse(answer)
         return float(bool(gold) and bool(guess) and verify(gold, guess))
+
+    return score
+
+
+@REWARDS.register("multiple_choice")
+def multiple_choice_reward(extract: str) -> RewardFn:
+    """1 if the chosen option letter equals the label's (`B`, `(B)` or `B) text` all name B)."""
+
+    def score(completion: str, label: str, metadata: dict[str, Any]) -> float:
+        scoped = extract_answer(completion, extract) if extract in ("answer_tag", "boxed") else completion
+        choice, gold = extract_choice(scoped or ""), extract_choice(str(label))
+        if gold is None:
+            raise ValueError(f"label {label!r} names no option letter (A-J)")
+        return float(choice == gold)
+
+    return score
+
+
+DEFAULT_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
+
+
+@REWARDS.register("format")
+def format_reward(extract: str, pattern: str = DEFAULT_FORMAT) -> RewardFn:
+    """1 if the whole completion matches `reward.format_pattern` (default: <think>..</think><answer>..</answer>)."""
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def score(completion: str, label: str, metadata: dict[str, Any]) -> float:
+        return float(compiled.fullmatch(completion.strip()) is not None)
 
     return score

@@ -34,3 +34,20 @@ def extract_answer(text: str, mode: str) -> str | None:
     if mode == "boxed":
         return last_boxed(text)
     raise ValueError(f"reward.extract={mode!r} is unknown; use last_number, answer_tag, boxed or none")
+
+
+_CHOICE_PATTERNS = [
+    re.compile(r"(?i:answer)\s*(?:is|:)?\s*\(?([A-J])\)?(?![A-Za-z])"),  # "the answer is (B)", "Answer: C"
+    re.compile(r"^\s*\(?([A-J])(?:\)|\.|:|\s*$)"),  # "B", "(B)", "B) text", "C. text"
+]
+_LAST_LETTER = re.compile(r"(?<![A-Za-z])\(?([A-J])\)?(?![A-Za-z])")
+
+
+def extract_choice(text: str) -> str | None:
+    """The option letter a text picks: after "answer", at its start, else its last standalone A-J."""
+    for pattern in _CHOICE_PATTERNS:
+        match = pattern.search(text)
+        if match:
+            return match.group(1).upper()
+    letters = _LAST_LETTER.findall(text)
+    return letters[-1].upper() if letters else None

@@ -301,3 +301,36 @@ def test_reward_role_scores_groups_with_a_group_function():
     samples = [Sample(uid=i, group_id=i // 3, response_text="a" * (i % 3 + 1)) for i in range(6)]
     Reward(_group_rank, scope="group", timeout_s=5).score(samples)
     assert [s.reward for s in samples] == [0.0, 0.5, 1.0] * 2
+
+
+@pytest.mark.parametrize("completion,label,expected", [
+    ("The answer is (C).", "C", 1.0),
+    ("B) Paris", "(B)", 1.0),
+    ("I think A is wrong, so C", "C) 42", 1.0),
+    ("Answer: D", "A", 0.0),
+    ("no idea", "B", 0.0),
+])
+def test_multiple_choice_reward(completion, label, expected):
+    assert build_reward("multiple_choice", "none")(completion, label, {}) == expected
+
+
+def test_multiple_choice_reads_the_boxed_choice_when_asked():
+    assert build_reward("multiple_choice", "boxed")("A is tempting, but \\boxed{B}", "B", {}) == 1.0
+
+
+def test_multiple_choice_label_without_a_letter_fails_the_sample():
+    outcome = score_safely(build_reward("multiple_choice", "none"), "A", "forty-two", {})
+    assert outcome.failed and "names no option letter" in outcome.error
+
+
+def test_format_reward_checks_the_whole_completion():
+    fmt = build_reward("format", "none")
+    assert fmt("<think>2+2 is 4</think> <answer>4</answer>", "", {}) == 1.0
+    assert fmt("<answer>4</answer>", "", {}) == 0.0
+    assert fmt("<think>x</think><answer>4</answer> and more", "", {}) == 0.0
+    assert build_reward("format", "none", r"\d+")("42", "", {}) == 1.0
+
+
+def test_a_bad_format_pattern_is_a_config_error():
+    with pytest.raises(ConfigError, match="reward.format_pattern"):
+        build_reward("format", "none", "(unclosed")
