@@ -168,16 +168,35 @@ class BusIndex:
         return {
             "capacity": self.capacity,
             "next_row_id": self.next_row_id,
+            "rows_per_group": dict(self.rows_per_group),
             "rows": [(r.row_id, r.group_id, r.num_tokens, dict(r.values), sorted(r.consumed_by)) for r in self.rows.values()],
         }
+
+    @staticmethod
+    def resumable(state: dict[str, Any], drop_groups: list[int], outputs: dict[str, str]) -> dict[str, Any]:
+        """A snapshot taken while consumers were working, made safe to restore into a new run:
+        rows of `drop_groups` go (their producer will make them again), and a task's consumption
+        mark stays only if its output field (`outputs[task]`) was written; otherwise the row is
+        handed to that task again. Tasks without an output field keep their marks."""
+        dropped = set(drop_groups)
+        counts = {g: c for g, c in state.get("rows_per_group", {}).items() if g not in dropped}
+        rows = []
+        for row_id, group_id, num_tokens, values, consumed in state["rows"]:
+            if group_id in dropped:
+                continue
+            kept = [t for t in consumed if t not in outputs or outputs[t] in values]
+            rows.append((row_id, group_id, num_tokens, values, kept))
+        return {**state, "rows": rows, "rows_per_group": counts}
 
     @classmethod
     def restore(cls, state: dict[str, Any]) -> BusIndex:
         index = cls(state["capacity"])
         index.next_row_id = state["next_row_id"]
+        index.rows_per_group.update(state.get("rows_per_group", {}))
         for row_id, group_id, num_tokens, values, consumed in state["rows"]:
             index.rows[row_id] = Row(row_id, group_id, num_tokens, values, set(consumed))
-            index.rows_per_group[group_id] += 1
+            if "rows_per_group" not in state:
+                index.rows_per_group[group_id] += 1
         return index
 
 

@@ -27,6 +27,11 @@ class PromptStream:
             self._epoch = epoch
         return self._order
 
+    def row_at(self, index: int) -> PromptRow:
+        """The row handed out at stream position `index` (to hand it out again after a crash)."""
+        epoch, offset = divmod(index, len(self.rows))
+        return self.rows[self._order_for(epoch)[offset]]
+
     def take(self, count: int) -> list[tuple[int, PromptRow]]:
         """The next `count` rows with their global index (position in the stream)."""
         out = []

@@ -30,7 +30,7 @@ from rlx.orchestration.builder import (
 from rlx.orchestration.controller import Controller, role_names
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.health import HealthManager
-from rlx.orchestration.run_dir import checkpoint_path, prepare_run_dir
+from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
 from rlx.weights.store import WeightStore
 
 POLL_S = 2.0  # status round trips cost CPU the roles need
@@ -85,19 +85,23 @@ class AsyncRun:
         return self.controller.scale_rollout(replicas)
 
     def checkpoint(self) -> str:
-        state = {"loop_step": self.step, "data_position": self.controller.prompts.state()["position"], "totals": {}}
-        return self.controller.call("actor", "call", "save_checkpoint", str(checkpoint_path(self.run_dir, self.step)),
-                                    state)
+        state = {"data_position": self.controller.prompts.state()["position"], "totals": {}}
+        return self.controller.call("actor", "call", "save_checkpoint", str(self.run_dir), state)
 
     def stop(self) -> None:
         self.stop_requested.set()
 
     # -- the loop --------------------------------------------------------------------------------
-    def run(self, writer: MetricsWriter, started: float) -> None:
+    def run(self, writer: MetricsWriter, started: float, resume: bool) -> None:
         cfg, t, c = self.config, self.config.train, self.controller
-        c.start_substrate()
+        checkpoint = latest_checkpoint(self.run_dir) if resume else None
+        c.start_substrate(checkpoint)
         evaluator = DriverEvaluator(cfg, c.weights)
-        writer.write(0, evaluator())  # the initial weights, before any role competes for the CPU
+        if checkpoint is None:
+            writer.write(0, evaluator())  # the initial weights, before any role competes for the CPU
+        else:
+            self.step = json.loads((checkpoint / "trainer_state.json").read_text())["loop_step"]
+            self.echo(f"resumed from {checkpoint} at step {self.step}")
         c.deploy()
         self.health = HealthManager(c.bus, c.prompts, c.heartbeats, cfg.rollout.n, t.heartbeat_timeout_s,
                                     t.max_restarts_per_role, t.max_restarts)
@@ -122,6 +126,8 @@ class AsyncRun:
                     if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                         metrics.update(evaluator())
                     writer.write(self.step, metrics)
+                    if t.checkpoint_every and self.step % t.checkpoint_every == 0:
+                        self.checkpoint()
                 for fault in [f for f in pending_faults if f.at_step <= self.step]:
                     pending_faults.remove(fault)
                     self.echo(f"injecting fault: {fault.kind} {fault.role} after step {self.step}")
@@ -146,9 +152,8 @@ class AsyncRun:
 
 def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
               echo: Callable[[str], None] = print) -> Path:
-    if resume:
-        raise ConfigError("--resume works in colocate mode only for now: async resume needs the bus state "
-                          "in checkpoints; run with train.mode=colocate or start a new run")
+    if resume and config.uses_critic:
+        raise ConfigError("async --resume does not restore a Critic yet: resume PPO runs with train.mode=colocate")
     check_faults(config)
     run_dir = prepare_run_dir(config, resume, overwrite)
     load_splits(config.data)  # bad data or a reward that cannot load stop the run before any service starts
@@ -159,7 +164,7 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
     run = AsyncRun(config, run_dir, echo, alerts)
     writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard, echo=echo)
     try:
-        run.run(writer, started)
+        run.run(writer, started, resume)
     except BaseException as exc:
         alerts.notify("failure", f"{type(exc).__name__}: {exc}")
         raise

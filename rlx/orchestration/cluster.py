@@ -19,6 +19,7 @@ def start_ray(num_cpus: float | None = None, address: str | None = None) -> None
     # workers import user code (custom rewards) the way the driver does: from the working directory
     python_path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
     ray.init(
+        address="local",  # always a new cluster: never attach to a crashed run's leftovers
         num_cpus=num_cpus,
         runtime_env={"env_vars": {"PYTHONPATH": python_path}},
         _node_ip_address="127.0.0.1",

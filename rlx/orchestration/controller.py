@@ -5,16 +5,20 @@ shuts everything down. The async loop that drives a run lives in `async_run.py`.
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
 from typing import Any, Callable
 
 import ray
 from ray import serve
 
+from rlx.bus.core import BusIndex
 from rlx.bus.ray_bus import Bus
 from rlx.config import RunConfig
 from rlx.data import load_splits
 from rlx.orchestration.builder import prompt_source
 from rlx.orchestration.cluster import start_ray, stop_ray
+from rlx.orchestration.health import TASK_OUTPUTS
 from rlx.orchestration.heartbeats import RemoteHeartbeats
 from rlx.orchestration.prompt_source import PromptSourceClient, RemotePromptSource
 from rlx.orchestration.services import RoleService, Shared, uses_actor_fwd
@@ -55,7 +59,8 @@ class Controller:
         self.rollout_replicas = 1
         self.started_ray = False
 
-    def start_substrate(self) -> None:
+    def start_substrate(self, resume_from: Path | None = None) -> None:
+        """`resume_from`: a checkpoint whose bus and prompt-source state the run continues from."""
         cfg = self.config
         self.started_ray = not ray.is_initialized()
         start_ray(cfg.resources.ray_num_cpus, cfg.resources.ray_address)
@@ -67,7 +72,19 @@ class Controller:
         self.prompts = PromptSourceClient(RemotePromptSource.remote(source.stream, source.gate))
         beats = RemoteHeartbeats.remote()
         self.heartbeats = HeartbeatsClient(beats)
-        self.shared = Shared(self.bus, self.weights, self.prompts, beats)
+        self.shared = Shared(self.bus, self.weights, self.prompts, beats,
+                             str(resume_from) if resume_from is not None else None)
+        if resume_from is not None:
+            self._restore(pickle.loads((resume_from / "run_state.pkl").read_bytes()))
+
+    def _restore(self, run_state: dict[str, Any]) -> None:
+        """Groups unfinished at the checkpoint (fewer than n rows made) are made again; every other
+        row returns to the bus, handed again to any task whose output it lacks."""
+        bus, prompts = run_state["bus"], run_state["prompts"]
+        made = bus.get("rows_per_group", {})
+        redo = [g for g in prompts["unfinished"] if made.get(g, 0) < self.config.rollout.n]
+        self.bus.restore(BusIndex.resumable(bus, redo, TASK_OUTPUTS))
+        self.prompts.resume({"position": prompts["position"], "unfinished": redo})
 
     def _target(self, role: str, replicas: int = 1) -> serve.RunTarget:
         cfg, res = self.config, getattr(self.config.resources, role)

@@ -32,6 +32,8 @@ UNFINISHED_WORK = {
     "teacher": ("teacher", "teacher_logprobs"),
 }
 
+TASK_OUTPUTS = {task: field for task, field in UNFINISHED_WORK.values()}  # bus task -> the field it writes
+
 
 class RoleFailed(RuntimeError):
     """A role could not be kept alive; the message names the role, what happened and what to do."""

@@ -61,6 +61,17 @@ class PromptSource:
         self.retry.extendleft(reversed(lost))
         self.stats["groups_requeued"] += len(lost)
 
+    def resume_state(self) -> dict[str, object]:
+        """What a restarted run needs: the position, and every group handed out but not finished."""
+        unfinished = sorted({g for groups in self.held.values() for g in groups} | {g for g, _ in self.retry})
+        return {"position": self.stream.position, "unfinished": unfinished}
+
+    def resume(self, state: dict) -> None:
+        """Continue from `resume_state()`: unfinished groups are handed out again, first."""
+        self.stream.position = state["position"]
+        self.retry = deque((g, self.stream.row_at(g)) for g in state["unfinished"])
+        self.held = {}
+
     def state(self) -> dict[str, int]:
         held = sum(len(groups) for groups in self.held.values())
         return {"position": self.stream.position, "groups_held": held, "groups_waiting_retry": len(self.retry),
@@ -90,3 +101,9 @@ class PromptSourceClient:
 
     def state(self) -> dict[str, int]:
         return ray.get(self.actor.state.remote())
+
+    def resume_state(self) -> dict[str, object]:
+        return ray.get(self.actor.resume_state.remote())
+
+    def resume(self, state: dict) -> None:
+        ray.get(self.actor.resume.remote(state))

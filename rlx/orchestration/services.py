@@ -11,10 +11,12 @@ HealthManager can hand a dead replica's unfinished rows back.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import ray
@@ -57,6 +59,7 @@ class Shared:
     weights: WeightStore
     prompts: PromptSourceClient
     heartbeats: Any
+    resume_from: str | None = None  # the checkpoint a resumed run's Actor starts from
 
 
 def _rollout(cfg: RunConfig, shared: Shared) -> Worker:
@@ -70,10 +73,15 @@ def _rollout(cfg: RunConfig, shared: Shared) -> Worker:
 
 def _actor(cfg: RunConfig, shared: Shared) -> Worker:
     actor, weights = build_actor(cfg, model_path(cfg)), shared.weights
-    weights.publish(actor.weights(), actor.version)  # version 0: what every engine starts from
-    return actor_worker(cfg, actor, shared.bus, publish=lambda: weights.publish(actor.weights(), actor.version),
-                        max_staleness=cfg.train.max_staleness, with_actor_fwd=uses_actor_fwd(cfg),
-                        max_steps=cfg.train.steps)
+    worker = actor_worker(cfg, actor, shared.bus, publish=lambda: weights.publish(actor.weights(), actor.version),
+                          max_staleness=cfg.train.max_staleness, with_actor_fwd=uses_actor_fwd(cfg),
+                          max_steps=cfg.train.steps)
+    worker.capture = lambda: {"bus": shared.bus.snapshot(), "prompts": shared.prompts.resume_state()}
+    if shared.resume_from:
+        actor.engine.load_checkpoint(Path(shared.resume_from))
+        worker.restore(pickle.loads((Path(shared.resume_from) / "run_state.pkl").read_bytes()))
+    weights.publish(actor.weights(), actor.version)  # what every engine starts from
+    return worker
 
 
 def _actor_fwd(cfg: RunConfig, shared: Shared) -> Worker:
@@ -125,7 +133,8 @@ class RoleService:
         self.role, self.hang_timeout_s = role, cfg.train.hang_timeout_s
         self.consumer = f"{role}-{replica_id()}"
         self.heartbeats = shared.heartbeats
-        shared = Shared(shared.bus.for_consumer(self.consumer), shared.weights, shared.prompts, shared.heartbeats)
+        shared = Shared(shared.bus.for_consumer(self.consumer), shared.weights, shared.prompts, shared.heartbeats,
+                        shared.resume_from)
         self.worker = SERVICE_BUILDERS[role](cfg, shared)
         self.worker.run_forever()
         self.stopped = threading.Event()

@@ -7,6 +7,7 @@ own thread in its own service (async mode calls `run_forever`). Roles stay unawa
 from __future__ import annotations
 
 import abc
+import pickle
 import threading
 import time
 from collections import Counter
@@ -21,6 +22,7 @@ from rlx.data.rows import PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import SamplingParams
 from rlx.orchestration.prompt_source import PromptSource
+from rlx.orchestration.run_dir import checkpoint_path
 from rlx.orchestration.staleness import StalenessGate
 from rlx.roles import Actor, Advantages, Critic, Reference, Rollout
 from rlx.roles.rollout import Group
@@ -374,6 +376,7 @@ class ActorWorker(Worker):
         self.timeout_s, self.publish, self.max_steps = timeout_s, publish, max_steps
         self.final_tasks, self.dynamic_max_rows = list(final_tasks), dynamic_max_rows
         self.group_size, self.samples_per_group = group_size, Counter()  # to prove nothing arrives twice
+        self.capture: Callable[[], dict[str, Any]] | None = None  # run state saved with each checkpoint
         self.unreported: list[dict[str, float]] = []
         self.lock = threading.Lock()  # a checkpoint never sees half a step
 
@@ -439,9 +442,19 @@ class ActorWorker(Worker):
     def status(self) -> dict[str, Any]:
         return {**super().status(), "version": self.role.version}
 
-    def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> str:
+    def save_checkpoint(self, run_dir: str, extra_state: dict[str, Any]) -> str:
+        """Between two steps, into `<run_dir>/checkpoints/step_<the trainer's own step>`: the model,
+        the optimizer and (async mode) `self.capture()`, the state of the bus and the prompt source
+        taken while the trainer cannot consume, in `run_state.pkl`."""
         with self.lock:
-            return str(self.role.engine.save_checkpoint(Path(directory), extra_state))
+            step = self.role.version  # the driver's count may lag: the trainer's is the truth
+            run_state = {"samples_per_group": dict(self.samples_per_group), **(self.capture() if self.capture else {})}
+            return str(self.role.engine.save_checkpoint(checkpoint_path(Path(run_dir), step),
+                                                        {**extra_state, "loop_step": step},
+                                                        {"run_state.pkl": pickle.dumps(run_state)}))
+
+    def restore(self, run_state: dict[str, Any]) -> None:
+        self.samples_per_group = Counter(run_state["samples_per_group"])
 
 
 def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:

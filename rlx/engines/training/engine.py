@@ -95,8 +95,8 @@ class TrainingEngine:
         """The current weights, detached, for publishing to generation engines."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
-    def save_checkpoint(self, directory: Path, extra_state: dict) -> Path:
-        """Write model (as a HF folder), optimizer and state; atomic via a staging folder."""
+    def save_checkpoint(self, directory: Path, extra_state: dict, extra_files: dict[str, bytes] | None = None) -> Path:
+        """Write model (as a HF folder), optimizer, state and `extra_files`; atomic via a staging folder."""
         staging = directory.with_name(directory.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         try:
@@ -104,6 +104,8 @@ class TrainingEngine:
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        staging / "optimizer.pt")
             (staging / "trainer_state.json").write_text(json.dumps({"step": self.step, **extra_state}, indent=2))
+            for name, content in (extra_files or {}).items():
+                (staging / name).write_bytes(content)
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)
             raise OSError(f"could not write checkpoint {directory}: {exc} (free disk space or set logging.run_dir)") from exc
