@@ -15,6 +15,19 @@ def autocast_context(model: PreTrainedModel, bf16: bool):
     return torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
+def forward_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, **kwargs) -> torch.Tensor:
+    """The model's output logits for `batch`, on the model's device, without a KV cache."""
+    device = next(model.parameters()).device
+    with autocast_context(model, bf16):
+        return model(
+            input_ids=batch.input_ids.to(device),
+            attention_mask=batch.attention_mask.to(device),
+            position_ids=batch.position_ids.to(device),
+            use_cache=False,
+            **kwargs,
+        ).logits
+
+
 def token_logprobs(
     model: PreTrainedModel,
     batch: TokenBatch,
@@ -27,15 +40,7 @@ def token_logprobs(
     Greedy sampling (temperature 0) is scored at temperature 1, as the generation engine does.
     """
     device = next(model.parameters()).device
-    width = batch.response_width
-    with autocast_context(model, bf16):
-        logits = model(
-            input_ids=batch.input_ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
-            position_ids=batch.position_ids.to(device),
-            logits_to_keep=width + 1,
-            use_cache=False,
-        ).logits[:, :-1]
+    logits = forward_logits(model, batch, bf16, logits_to_keep=batch.response_width + 1)[:, :-1]
     logits = logits.float() / (temperature if temperature > 0 else 1.0)
     logprobs_all = torch.log_softmax(logits, dim=-1)
     targets = batch.response_ids.to(device).unsqueeze(-1)
@@ -54,13 +59,5 @@ def token_values(
 ) -> tuple[torch.Tensor, None]:
     """[B, R] values of the states before each response token, from a one-label token classifier:
     the same columns whose logits predict the response tokens."""
-    device = next(model.parameters()).device
-    width = batch.response_width
-    with autocast_context(model, bf16):
-        scores = model(
-            input_ids=batch.input_ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
-            position_ids=batch.position_ids.to(device),
-            use_cache=False,
-        ).logits
-    return scores[:, -(width + 1) : -1, 0].float(), None
+    scores = forward_logits(model, batch, bf16)  # a token classifier scores every position
+    return scores[:, -(batch.response_width + 1) : -1, 0].float(), None
