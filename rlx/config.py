@@ -69,7 +69,10 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf"] = "hf"
+    engine: str = Field("hf", description="generation engine: hf, vllm (pip install 'rlx[vllm]'), sglang, "
+                        "or one registered in GENERATION_ENGINES")
+    engine_options: dict[str, Any] = Field(default_factory=dict,
+                                           description="backend-specific settings, passed to the engine as is")
     n: int = Field(8, ge=1, description="responses per prompt (the group size)")
     prompts_per_step: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0.0, le=10.0)
@@ -79,6 +82,15 @@ class RolloutConfig(Section):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end a response")
     max_batch_size: int = Field(64, ge=1, description="sequences decoded together")
+
+    @model_validator(mode="after")
+    def _engine_is_known(self) -> RolloutConfig:
+        from rlx.engines.generation import GENERATION_ENGINES
+
+        if self.engine not in GENERATION_ENGINES:
+            raise ValueError(f"rollout.engine={self.engine!r} is not a generation engine; use one of "
+                             f"{', '.join(GENERATION_ENGINES.names())}")
+        return self
 
 
 class JudgeConfig(Section):

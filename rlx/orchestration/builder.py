@@ -16,10 +16,10 @@ from transformers import PreTrainedTokenizerBase
 from rlx.config import ConfigError, RunConfig
 from rlx.data import PromptRow, PromptStream, load_splits
 from rlx.data.prompts import encode_prompt
-from rlx.engines.generation import SamplingParams, build_generation_engine
+from rlx.engines.generation import EngineSpec, SamplingParams, build_generation_engine
 from rlx.engines.training import TrainingEngine
 from rlx.engines.training.forward import token_values
-from rlx.models import eos_token_ids, load_pretrained, load_tokenizer, load_value_model, resolve_model_path
+from rlx.models import load_pretrained, load_tokenizer, load_value_model, resolve_model_path
 from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.staleness import StalenessGate
 from rlx.orchestration.workers import (
@@ -63,12 +63,9 @@ def prompt_encoder(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Cal
 
 
 def generation_engine(config: RunConfig, path: Path, max_batch_size: int):
-    model, tokenizer = load_pretrained(path, config.model.dtype, config.resources.device)
-    engine = build_generation_engine(
-        config.rollout.engine, model=model, pad_token_id=tokenizer.pad_token_id,
-        eos_token_ids=eos_token_ids(model, tokenizer), tokenizer=tokenizer, max_batch_size=max_batch_size,
-    )
-    return engine, tokenizer
+    spec = EngineSpec(path, config.model.dtype, config.resources.device, max_batch_size, config.train.seed,
+                      dict(config.rollout.engine_options))
+    return build_generation_engine(config.rollout.engine, spec)
 
 
 def build_rollout(config: RunConfig, path: Path) -> Rollout:
