@@ -234,6 +234,15 @@ class LoggingConfig(Section):
                               "and finish (e.g. json://127.0.0.1:8000/hook, mailto://, slack://)")
 
 
+class WeightsConfig(Section):
+    """Weight sync (DCS) from the Actor to the generation engines and ActorFwd (async mode)."""
+
+    channel: Literal["object-store", "gloo", "nccl"] = Field(
+        "object-store", description="object-store (Ray, any node), gloo (CPU broadcast) or nccl (GPU broadcast)")
+    bucket_mb: float = Field(256, gt=0, description="weights travel in buckets of at most this size")
+    timeout_s: float = Field(120, gt=0, description="longest wait for a weight version or a broadcast peer")
+
+
 class RunConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -245,6 +254,7 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
     faults: list[FaultConfig] = Field(default_factory=list, description="async mode: faults to inject")
 
     @model_validator(mode="after")

@@ -31,7 +31,7 @@ from rlx.orchestration.controller import Controller, role_names
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.health import HealthManager
 from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
-from rlx.weights.store import WeightStore
+from rlx.weights.sync import WeightSync
 
 POLL_S = 2.0  # status round trips cost CPU the roles need
 
@@ -39,7 +39,7 @@ POLL_S = 2.0  # status round trips cost CPU the roles need
 class DriverEvaluator:
     """Greedy held-out evaluation in the driver, on the latest published weights."""
 
-    def __init__(self, config: RunConfig, weights: WeightStore) -> None:
+    def __init__(self, config: RunConfig, weights: WeightSync) -> None:
         self.config, self.weights = config, weights
         self.rows = load_splits(config.data)[1]
         self.rollout = build_rollout(config, model_path(config))
@@ -104,7 +104,7 @@ class AsyncRun:
             self.echo(f"resumed from {checkpoint} at step {self.step}")
         c.deploy()
         self.health = HealthManager(c.bus, c.prompts, c.heartbeats, cfg.rollout.n, t.heartbeat_timeout_s,
-                                    t.max_restarts_per_role, t.max_restarts)
+                                    t.max_restarts_per_role, t.max_restarts, c.weights.forget)
         api = ApiServer(self, self.run_dir).start()
         self.echo(f"management API on {api.url} (token in {self.run_dir / 'api_token'})")
         pending_faults, critic_steps = list(cfg.faults), []

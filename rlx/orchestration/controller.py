@@ -22,7 +22,7 @@ from rlx.orchestration.health import TASK_OUTPUTS
 from rlx.orchestration.heartbeats import RemoteHeartbeats
 from rlx.orchestration.prompt_source import PromptSourceClient, RemotePromptSource
 from rlx.orchestration.services import RoleService, Shared, uses_actor_fwd
-from rlx.weights.store import WeightStore
+from rlx.weights.sync import WeightSync
 
 DRAIN_S = 60  # a removed rollout replica finishes its groups within this, or they are handed out again
 
@@ -67,7 +67,8 @@ class Controller:
         serve.start(proxy_location="Disabled")  # roles talk through handles and the bus, not HTTP
         self.bus = Bus.create(capacity=max(1024, 4 * cfg.rollout.prompts_per_step * cfg.rollout.n
                                            * (cfg.train.max_staleness + 2)))
-        self.weights = WeightStore.create()
+        w = cfg.weights
+        self.weights = WeightSync.create(w.channel, w.bucket_mb, w.timeout_s)
         source = prompt_source(cfg, load_splits(cfg.data)[0])
         self.prompts = PromptSourceClient(RemotePromptSource.remote(source.stream, source.gate))
         beats = RemoteHeartbeats.remote()

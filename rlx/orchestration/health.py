@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -52,8 +52,10 @@ class Recovery:
 
 class HealthManager:
     def __init__(self, bus, prompts, heartbeats, group_size: int, dead_after_s: float,
-                 max_restarts_per_role: int, max_restarts: int) -> None:
+                 max_restarts_per_role: int, max_restarts: int,
+                 forget_subscriber: Callable[[str], None] = lambda replica: None) -> None:
         self.bus, self.prompts, self.heartbeats, self.group_size = bus, prompts, heartbeats, group_size
+        self.forget_subscriber = forget_subscriber  # a gone replica holds no weight version back
         self.dead_after_s = dead_after_s
         self.max_restarts_per_role, self.max_restarts = max_restarts_per_role, max_restarts
         self.known: dict[str, tuple[str, float]] = {}  # replica -> (role, monotonic time of its first beat)
@@ -96,6 +98,7 @@ class HealthManager:
                              f"{self.max_restarts_per_role} and train.max_restarts={self.max_restarts}")
         kill_quietly(status.get("actor_name"))  # a silent replica may only be slow: make sure it is gone
         self.heartbeats.forget(replica)
+        self.forget_subscriber(replica)
         released, requeued = self._return_work(role, replica)
         injected = self.faults_at.pop(role, None)
         recovery = Recovery(role, replica, released, requeued,

@@ -47,47 +47,54 @@ from rlx.orchestration.builder import (
 )
 from rlx.orchestration.prompt_source import PromptSourceClient
 from rlx.orchestration.workers import Worker
-from rlx.weights.store import WeightStore
+from rlx.weights.sync import WeightSync
 
 
 @dataclass
 class Shared:
-    """What every service of a run shares: the bus, the weight store, the prompt source and the
-    heartbeat board (a Ray actor handle)."""
+    """What every service of a run shares: the bus, the weight-sync handle, the prompt source and
+    the heartbeat board (a Ray actor handle)."""
 
     bus: Bus
-    weights: WeightStore
+    weights: WeightSync
     prompts: PromptSourceClient
     heartbeats: Any
     resume_from: str | None = None  # the checkpoint a resumed run's Actor starts from
 
 
+def _subscribe(worker_of: Callable[[Callable[[], None]], Worker], shared: Shared, load) -> Worker:
+    """A weight subscriber named after the replica's consumer id. It loads the latest published
+    version before the worker exists (a new or restarted engine never serves older weights), and
+    the worker applies newer versions through `sync_weights`."""
+    subscriber = shared.weights.subscriber(shared.bus.consumer, load)
+    subscriber.start()
+    worker = worker_of(subscriber.apply)
+    worker.on_stop.append(subscriber.close)
+    return worker
+
+
 def _rollout(cfg: RunConfig, shared: Shared) -> Worker:
     rollout = build_rollout(cfg, model_path(cfg))
-    weights = shared.weights
-    # a new or restarted engine loads the latest published weights before it generates anything
-    return rollout_worker(cfg, rollout, shared.bus, shared.prompts,
-                          lambda: weights.pull(rollout.engine.weight_version, rollout.load_weights),
-                          consumer=shared.bus.consumer)
+    return _subscribe(lambda sync: rollout_worker(cfg, rollout, shared.bus, shared.prompts, sync,
+                                                  consumer=shared.bus.consumer), shared, rollout.load_weights)
 
 
 def _actor(cfg: RunConfig, shared: Shared) -> Worker:
-    actor, weights = build_actor(cfg, model_path(cfg)), shared.weights
-    worker = actor_worker(cfg, actor, shared.bus, publish=lambda: weights.publish(actor.weights(), actor.version),
+    actor, publisher = build_actor(cfg, model_path(cfg)), shared.weights.publisher()
+    worker = actor_worker(cfg, actor, shared.bus, publish=lambda: publisher.publish(actor.weights(), actor.version),
                           max_staleness=cfg.train.max_staleness, with_actor_fwd=uses_actor_fwd(cfg),
                           max_steps=cfg.train.steps)
     worker.capture = lambda: {"bus": shared.bus.snapshot(), "prompts": shared.prompts.resume_state()}
     if shared.resume_from:
         actor.engine.load_checkpoint(Path(shared.resume_from))
         worker.restore(pickle.loads((Path(shared.resume_from) / "run_state.pkl").read_bytes()))
-    weights.publish(actor.weights(), actor.version)  # what every engine starts from
+    publisher.publish(actor.weights(), actor.version)  # what every engine starts from
     return worker
 
 
 def _actor_fwd(cfg: RunConfig, shared: Shared) -> Worker:
-    actor_fwd, weights = build_actor_fwd(cfg, model_path(cfg)), shared.weights
-    return actor_fwd_worker(cfg, actor_fwd, shared.bus,
-                            lambda: weights.pull(actor_fwd.weight_version, actor_fwd.load_weights))
+    actor_fwd = build_actor_fwd(cfg, model_path(cfg))
+    return _subscribe(lambda sync: actor_fwd_worker(cfg, actor_fwd, shared.bus, sync), shared, actor_fwd.load_weights)
 
 
 def uses_actor_fwd(cfg: RunConfig) -> bool:

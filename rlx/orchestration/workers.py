@@ -66,6 +66,7 @@ class Worker(abc.ABC):
         self.hung = False  # fault injection: the loop blocks without a heartbeat
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.on_stop: list[Callable[[], None]] = []  # resources to release with the worker (a weight subscription)
 
     @abc.abstractmethod
     def work_once(self) -> int:
@@ -113,6 +114,8 @@ class Worker(abc.ABC):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        for release in self.on_stop:
+            release()
 
     def status(self) -> dict[str, Any]:
         elapsed = max(time.monotonic() - self.started_at, 1e-9)
@@ -286,10 +289,10 @@ class RolloutWorker(Worker):
     reported finished to the source once all its samples are on the bus.
     """
 
-    refresh_every_steps = 16  # a version check is a round trip to the weight store
+    dropped_check_every_steps = 16  # reading the dropped-group count is a round trip to the bus
 
     def __init__(self, role: Rollout, bus, source: PromptSource, encode: Callable[[PromptRow], list[int]], n: int,
-                 sampling: Callable[[int], SamplingParams], sync_weights: Callable[[], None], max_batch_size: int,
+                 sampling: Callable[[int], SamplingParams], sync_weights: Callable[[], Any], max_batch_size: int,
                  refill_dropped: bool = False, consumer: str = "rollout") -> None:
         super().__init__("rollout")
         self.role, self.bus, self.source, self.encode, self.n = role, bus, source, encode, n
@@ -298,19 +301,18 @@ class RolloutWorker(Worker):
         self._version, self._steps, self._dropped = 0, 0, 0
         self._pending: Counter = Counter()  # group id -> samples still to come
 
-    def _refresh(self) -> None:
-        self.sync_weights()
+    def _refresh(self, check_dropped: bool = True) -> None:
+        self.sync_weights()  # applies a version the subscriber already received: no round trip
         # Admission counts against the weights this engine actually generates with: counting against
         # a newer published version the engine has not loaded yet would let staleness exceed the bound.
         self._version = self.role.engine.weight_version
-        if self.refill_dropped:  # dynamic sampling: a dropped group frees its place for a new one
+        if self.refill_dropped and check_dropped:  # dynamic sampling: a dropped group frees its place
             self._dropped = int(self.bus.metrics().get("bus_groups_dropped", 0))
 
     def _between_steps(self) -> None:
         self.beat()
         self._steps += 1
-        if self._steps % self.refresh_every_steps == 0:
-            self._refresh()
+        self._refresh(check_dropped=self._steps % self.dropped_check_every_steps == 0)
 
     def _groups(self, issued: list[tuple[int, PromptRow]]) -> list[Group]:
         self._pending.update({group_id: self.n for group_id, _ in issued})

@@ -1,1 +1,5 @@
-"""Weight hand-off from the trainer to everything that generates or scores."""
+"""DCS, the weight-sync service: versioned weights from the Actor to every engine, without disk."""
+
+from rlx.weights.sync import CHANNELS, WeightPublisher, WeightSubscriber, WeightSync, WeightSyncTimeout
+
+__all__ = ["CHANNELS", "WeightPublisher", "WeightSubscriber", "WeightSync", "WeightSyncTimeout"]

@@ -1,0 +1,163 @@
+"""The DCS coordinator: one Ray actor that tracks weight versions, publishers and subscribers.
+
+It never touches tensor bytes: the publisher puts each bucket into the object store and hands the
+coordinator the references. Subscribers long-poll `wait_newer`, load the version and
+`ack` it. A version older than the latest is released once every live subscriber has acknowledged
+it or something newer, or was declared dead; the latest version is always kept, because new and
+restarted engines start from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rlx.weights.buckets import Bucket
+
+
+@dataclass
+class Version:
+    version: int
+    layout: list[Bucket]
+    refs: list[Any]  # one ObjectRef per bucket
+    published_at: float
+    broadcast: dict | None = None  # {"host", "port", "epoch", "ranks": {subscriber: rank}}
+    acks: dict[str, float] = field(default_factory=dict)  # subscriber -> seconds from publish to loaded
+
+
+@dataclass
+class Subscriber:
+    name: str
+    channel: str
+    version: int = -1  # the last version it acknowledged
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+
+
+def releasable(held: list[int], latest: int, acked: list[int]) -> list[int]:
+    """Versions that no live subscriber can still need: older than the latest, and acknowledged
+    (or passed) by every live subscriber. `acked`: each live subscriber's acknowledged version."""
+    floor = min(acked, default=latest)
+    return [v for v in held if v < latest and v <= floor]
+
+
+def broadcast_ranks(members: list[str]) -> dict[str, int]:
+    """Rank 0 is the publisher; subscribers follow in name order, so every party agrees."""
+    return {name: rank for rank, name in enumerate(sorted(members), start=1)}
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class WeightCoordinator:
+    def __init__(self, subscriber_timeout_s: float = 60.0) -> None:
+        self.versions: dict[int, Version] = {}
+        self.latest = -1
+        self.subscribers: dict[str, Subscriber] = {}
+        self.subscriber_timeout_s = subscriber_timeout_s
+        self.epoch = 0
+        self._members: tuple[str, ...] = ()
+        self._changed = asyncio.Condition()
+        self.released = 0
+
+    # publishers
+    async def publish(self, version: int, layout: list[Bucket], refs: list, broadcast: dict | None = None) -> dict:
+        """Record `version` (ignored unless newer). With `broadcast` (host, port), returns the
+        epoch and ranks of the live broadcast subscribers that must receive it."""
+        if version <= self.latest:
+            return {"accepted": False, "latest": self.latest}
+        if broadcast is not None:
+            broadcast = {**broadcast, **self._broadcast_group()}
+        self.versions[version] = Version(version, layout, list(refs), time.monotonic(), broadcast)
+        self.latest = version
+        self._release()
+        async with self._changed:
+            self._changed.notify_all()
+        return {"accepted": True, "latest": version, **(broadcast or {})}
+
+    def broadcast_failed(self, version: int) -> None:
+        """A broadcast did not complete: the next one forms a new group (its subscribers fall back
+        to the object-store copy of this version)."""
+        self._members = ()
+
+    def _broadcast_group(self) -> dict:
+        self._expire()
+        members = tuple(sorted(s.name for s in self.subscribers.values() if s.alive and s.channel != "object-store"))
+        if members != self._members:
+            self.epoch, self._members = self.epoch + 1, members
+        return {"epoch": self.epoch, "ranks": broadcast_ranks(list(members))}
+
+    # subscribers
+    def register(self, name: str, channel: str = "object-store", version: int = -1) -> None:
+        self.subscribers[name] = Subscriber(name, channel, version)
+
+    def unregister(self, name: str) -> None:
+        self.mark_dead(name)
+
+    def mark_dead(self, name: str) -> None:
+        """A dead subscriber holds no version back and leaves the broadcast group."""
+        if name in self.subscribers:
+            self.subscribers[name].alive = False
+            self._release()
+
+    async def wait_newer(self, name: str | None, than: int, timeout_s: float) -> dict | None:
+        """The latest version if newer than `than`, waiting up to `timeout_s` for one."""
+        self._seen(name)
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.latest > than), timeout_s)
+            except asyncio.TimeoutError:
+                return None
+        self._seen(name)
+        record = self.versions[self.latest]
+        return {"version": record.version, "layout": record.layout, "refs": record.refs,
+                "broadcast": record.broadcast}
+
+    def ack(self, name: str, version: int, load_s: float | None = None) -> None:
+        record = self.versions.get(version)
+        if record is not None:
+            record.acks[name] = time.monotonic() - record.published_at if load_s is None else load_s
+        subscriber = self.subscribers.get(name)
+        if subscriber is not None:
+            subscriber.version = max(subscriber.version, version)
+            subscriber.last_seen = time.monotonic()
+        self._release()
+
+    # introspection
+    def latest_version(self) -> int:
+        return self.latest
+
+    def acks(self, version: int) -> dict[str, float]:
+        record = self.versions.get(version)
+        return dict(record.acks) if record else {}
+
+    def status(self) -> dict:
+        self._expire()
+        return {
+            "latest": self.latest,
+            "held": sorted(self.versions),
+            "released": self.released,
+            "epoch": self.epoch,
+            "subscribers": {s.name: {"version": s.version, "alive": s.alive, "channel": s.channel}
+                            for s in self.subscribers.values()},
+        }
+
+    def _seen(self, name: str | None) -> None:
+        if name in self.subscribers:
+            self.subscribers[name].last_seen = time.monotonic()
+            self.subscribers[name].alive = True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for s in self.subscribers.values():
+            if s.alive and now - s.last_seen > self.subscriber_timeout_s:
+                s.alive = False
+
+    def _release(self) -> None:
+        self._expire()
+        live = [s.version for s in self.subscribers.values() if s.alive]
+        for version in releasable(list(self.versions), self.latest, live):
+            del self.versions[version]  # the coordinator's refs go; Ray frees the buckets with the last reader
+            self.released += 1
