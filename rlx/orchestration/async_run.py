@@ -104,7 +104,7 @@ class AsyncRun:
             self.echo(f"resumed from {checkpoint} at step {self.step}")
         c.deploy()
         self.health = HealthManager(c.bus, c.prompts, c.heartbeats, cfg.rollout.n, t.heartbeat_timeout_s,
-                                    t.max_restarts_per_role, t.max_restarts, c.weights.forget)
+                                    t.max_restarts_per_role, t.max_restarts, c.weights)
         api = ApiServer(self, self.run_dir).start()
         self.echo(f"management API on {api.url} (token in {self.run_dir / 'api_token'})")
         pending_faults, critic_steps = list(cfg.faults), []

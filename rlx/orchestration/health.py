@@ -17,9 +17,12 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import ray
+
+if TYPE_CHECKING:
+    from rlx.weights import WeightSync
 
 STATEFUL_ROLES = frozenset({"actor", "critic"})
 # role -> (bus task it takes rows for, the field it writes when done with a row)
@@ -48,17 +51,19 @@ class Recovery:
     detected_after_s: float | None  # from the injected fault (if any) to the death being noticed
     replaced_after_s: float | None = None  # from the fault (or the last beat) to a new replica's first beat
     died_at: float = 0.0  # monotonic: the injected fault, or the dead replica's last beat
+    weights_at_death: int | None = None  # the latest published weight version when the death was noticed
+    replacement_weight_version: int | None = None  # what the new replica generated with at its first beat
 
 
 class HealthManager:
     def __init__(self, bus, prompts, heartbeats, group_size: int, dead_after_s: float,
-                 max_restarts_per_role: int, max_restarts: int,
-                 forget_subscriber: Callable[[str], None] = lambda replica: None) -> None:
+                 max_restarts_per_role: int, max_restarts: int, weights: WeightSync | None = None) -> None:
         self.bus, self.prompts, self.heartbeats, self.group_size = bus, prompts, heartbeats, group_size
-        self.forget_subscriber = forget_subscriber  # a gone replica holds no weight version back
+        self.weights = weights  # a gone replica must hold no weight version back
         self.dead_after_s = dead_after_s
         self.max_restarts_per_role, self.max_restarts = max_restarts_per_role, max_restarts
-        self.known: dict[str, tuple[str, float]] = {}  # replica -> (role, monotonic time of its first beat)
+        # replica -> (role, monotonic time of its first beat, the weight version it first reported)
+        self.known: dict[str, tuple[str, float, int | None]] = {}
         self.restarts: Counter = Counter()
         self.recoveries: list[Recovery] = []
         self.faults_at: dict[str, float] = {}  # role -> when a fault was injected into it
@@ -74,7 +79,7 @@ class HealthManager:
         for replica, beat in self.heartbeats.snapshot().items():
             role, status = beat["role"], beat["status"]
             if replica not in self.known:
-                self.known[replica] = (role, time.monotonic() - beat["age_s"])
+                self.known[replica] = (role, time.monotonic() - beat["age_s"], status.get("weight_version"))
             if status.get("error") and role in STATEFUL_ROLES:
                 raise RoleFailed(f"role {role!r} failed: {status['error']}")
             if status.get("stopped") and not status.get("failure"):  # scaled in or shut down: it said goodbye
@@ -98,20 +103,27 @@ class HealthManager:
                              f"{self.max_restarts_per_role} and train.max_restarts={self.max_restarts}")
         kill_quietly(status.get("actor_name"))  # a silent replica may only be slow: make sure it is gone
         self.heartbeats.forget(replica)
-        self.forget_subscriber(replica)
+        weights_now = None
+        if self.weights is not None:
+            self.weights.forget(replica)
+            weights_now = self.weights.version()
         released, requeued = self._return_work(role, replica)
         injected = self.faults_at.pop(role, None)
         recovery = Recovery(role, replica, released, requeued,
                             None if injected is None else time.monotonic() - injected,
-                            died_at=last_beat if injected is None else injected)
+                            died_at=last_beat if injected is None else injected, weights_at_death=weights_now)
         self.recoveries.append(recovery)
         return recovery
 
-    def _replacement_delay(self, recovery: Recovery) -> float | None:
-        """From the death to the first beat of the next replica of the same role, if one came."""
-        firsts = [first for replica, (role, first) in self.known.items()
+    def _replacement(self, recovery: Recovery) -> tuple[float, int | None] | None:
+        """(seconds from the death to the first beat, first weight version) of the next replica of
+        the same role, if one came."""
+        firsts = [(first, version) for replica, (role, first, version) in self.known.items()
                   if role == recovery.role and replica != recovery.replica and first >= recovery.died_at]
-        return min(firsts) - recovery.died_at if firsts else None
+        if not firsts:
+            return None
+        first, version = min(firsts, key=lambda f: f[0])
+        return first - recovery.died_at, version
 
     def _return_work(self, role: str, replica: str) -> tuple[int, int]:
         """Hand back what `replica` took and did not finish: (rows released, groups requeued)."""
@@ -138,7 +150,9 @@ class HealthManager:
     def report(self) -> list[dict[str, Any]]:
         out = []
         for recovery in self.recoveries:
-            recovery.replaced_after_s = self._replacement_delay(recovery)
+            replacement = self._replacement(recovery)
+            if replacement is not None:
+                recovery.replaced_after_s, recovery.replacement_weight_version = replacement
             out.append({k: v for k, v in asdict(recovery).items() if k != "died_at"})
         return out
 

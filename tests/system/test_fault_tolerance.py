@@ -39,3 +39,7 @@ def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
         print(f"{recovery['role']}: noticed after {recovery['detected_after_s']:.1f}s, "
               f"back after {recovery['replaced_after_s']:.1f}s")
     assert recovered["rollout"]["groups_requeued"] == health["prompts"]["groups_requeued"]
+    # the new engine pulled the latest weights from DCS before generating: not the initial ones, not a file
+    rollout = recovered["rollout"]
+    assert rollout["weights_at_death"] > 0
+    assert rollout["replacement_weight_version"] >= rollout["weights_at_death"], rollout

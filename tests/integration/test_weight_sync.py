@@ -1,0 +1,136 @@
+"""DCS on a real Ray cluster: the driver publishes a tiny model's weights, engine actors subscribe.
+
+Killing a subscriber with `ray.kill` stands in for a crashed engine (fault injection)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from rlx.models import load_pretrained
+from rlx.orchestration.cluster import start_ray, stop_ray
+from rlx.weights import WeightSync
+
+
+@ray.remote(num_cpus=0.1)
+class Engine:
+    """A subscriber the way engines use one: load before serving, apply between steps."""
+
+    def __init__(self, sync: WeightSync, name: str, path: str) -> None:
+        self.model = load_pretrained(path)[0]
+        self.subscriber = sync.subscriber(name, self.load)
+        self.version = -1
+
+    def load(self, state_dict, version: int) -> None:
+        self.model.load_state_dict(state_dict)
+        self.version = version
+
+    def start(self) -> int:
+        return self.subscriber.start()
+
+    def step(self) -> int:
+        """One 'decode step' boundary: apply whatever arrived."""
+        self.subscriber.apply()
+        return self.version
+
+    def checksum(self) -> float:
+        return float(sum(p.double().sum() for p in self.model.state_dict().values()))
+
+    def by_broadcast(self) -> int:
+        return self.subscriber.received_by_broadcast
+
+
+def _checksum(state) -> float:
+    return float(sum(t.double().sum() for t in state.values()))
+
+
+def _until(engines, version: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(v == version for v in ray.get([e.step.remote() for e in engines])):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"engines did not reach version {version}: {ray.get([e.step.remote() for e in engines])}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    start_ray(num_cpus=6)
+    yield
+    stop_ray()
+
+
+@pytest.fixture()
+def model(tiny_path):
+    return load_pretrained(tiny_path)[0]
+
+
+def _perturbed(model, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("channel", ["object-store", "gloo"])
+def test_subscribers_load_each_version_and_old_versions_are_released(cluster, model, tiny_path, channel):
+    sync = WeightSync.create(channel, bucket_mb=0.05, timeout_s=20)  # several buckets for the tiny model
+    publisher = sync.publisher()
+    publisher.publish(model.state_dict(), 0)
+    engines = [Engine.remote(sync, f"engine-{i}", str(tiny_path)) for i in range(2)]
+    assert ray.get([e.start.remote() for e in engines]) == [0, 0]
+    for version in (1, 2):
+        state = _perturbed(model, version)
+        timings = publisher.publish(state, version)
+        _until(engines, version)
+        assert ray.get([e.checksum.remote() for e in engines]) == pytest.approx([_checksum(state)] * 2, rel=1e-9)
+        if channel == "gloo":
+            assert timings["broadcast_s"] > 0
+    status = sync.status()
+    assert status["latest"] == 2 and status["held"] == [2] and status["released"] == 2
+    assert {s["version"] for s in status["subscribers"].values()} == {2}
+    if channel == "gloo":
+        assert ray.get([e.by_broadcast.remote() for e in engines]) == [2, 2]
+    for engine in engines:
+        ray.kill(engine)
+
+
+def test_a_new_engine_starts_from_the_latest_version_not_the_initial_weights(cluster, model, tiny_path):
+    sync = WeightSync.create("object-store", timeout_s=20)
+    publisher = sync.publisher()
+    for version in range(3):
+        publisher.publish(_perturbed(model, version), version)
+    late = Engine.remote(sync, "late", str(tiny_path))
+    assert ray.get(late.start.remote()) == 2
+    assert ray.get(late.checksum.remote()) == pytest.approx(_checksum(_perturbed(model, 2)), rel=1e-9)
+    ray.kill(late)
+
+
+def test_an_engine_waits_for_a_first_version_and_says_why_it_gave_up(cluster, tiny_path):
+    sync = WeightSync.create("object-store", timeout_s=1)
+    engine = Engine.remote(sync, "early", str(tiny_path))
+    with pytest.raises(ray.exceptions.RayTaskError) as error:
+        ray.get(engine.start.remote())
+    assert "no" in str(error.value) and "first weight version" in str(error.value) and "weights.timeout_s" in str(error.value)
+    ray.kill(engine)
+
+
+def test_a_dead_subscriber_holds_no_version_back_and_leaves_the_broadcast_group(cluster, model, tiny_path):
+    sync = WeightSync.create("gloo", timeout_s=5)
+    publisher = sync.publisher()
+    publisher.publish(model.state_dict(), 0)
+    alive, doomed = (Engine.remote(sync, name, str(tiny_path)) for name in ("alive", "doomed"))
+    ray.get([alive.start.remote(), doomed.start.remote()])
+    ray.kill(doomed)
+    # Not yet declared dead: the broadcast times out and the live engine loads from the object store.
+    publisher.publish(_perturbed(model, 1), 1)
+    _until([alive], 1)
+    sync.forget("doomed")  # what the HealthManager does for a replica it replaced
+    timings = publisher.publish(_perturbed(model, 2), 2)
+    _until([alive], 2)
+    status = sync.status()
+    assert status["held"] == [2] and not status["subscribers"]["doomed"]["alive"]
+    assert timings["broadcast_s"] < 5  # the new group has only live members: no timeout
+    assert ray.get(alive.by_broadcast.remote()) == 1
+    ray.kill(alive)

@@ -1,0 +1,60 @@
+"""Bucketing of state dicts for weight sync, and the coordinator's release rule."""
+
+import torch
+
+from rlx.weights.buckets import flat_size, from_arrays, pack_flat, plan_buckets, to_arrays, unpack_flat
+from rlx.weights.coordinator import broadcast_ranks, releasable
+
+
+def _state() -> dict[str, torch.Tensor]:
+    embed = torch.randn(10, 4)
+    return {"embed.weight": embed, "norm.weight": torch.randn(4).to(torch.bfloat16),
+            "layer.weight": torch.randn(4, 4).t(),  # not contiguous
+            "step": torch.tensor(3, dtype=torch.int64), "lm_head.weight": embed}
+
+
+def test_buckets_respect_the_size_bound_and_keep_order():
+    state = {f"w{i}": torch.zeros(100) for i in range(10)}  # 400 bytes each
+    buckets = plan_buckets(state, bucket_bytes=1000)
+    assert [[s.name for s in b] for b in buckets] == [["w0", "w1"], ["w2", "w3"], ["w4", "w5"], ["w6", "w7"],
+                                                      ["w8", "w9"]]
+    assert [len(b) for b in plan_buckets(state, bucket_bytes=100)] == [1] * 10  # a larger tensor stands alone
+
+
+def test_tied_tensors_travel_once_and_come_back_under_every_name():
+    buckets = plan_buckets(_state(), bucket_bytes=1 << 20)
+    names = [s.name for b in buckets for s in b]
+    assert "lm_head.weight" not in names
+    assert buckets[0][0].aliases == ("lm_head.weight",)
+
+
+def test_object_store_and_flat_round_trips_are_exact_for_every_dtype():
+    state = _state()
+    for bucket in plan_buckets(state, bucket_bytes=64):
+        for rebuilt in (from_arrays(to_arrays(state, bucket), bucket), unpack_flat(pack_flat(state, bucket), bucket)):
+            for spec in bucket:
+                for name in (spec.name, *spec.aliases):
+                    assert rebuilt[name].dtype == state[name].dtype
+                    assert torch.equal(rebuilt[name], state[name]), name
+        assert flat_size(bucket) % 64 == 0
+
+
+def test_flat_bucket_of_the_wrong_size_is_refused():
+    bucket = plan_buckets(_state(), 1 << 20)[0]
+    try:
+        unpack_flat(torch.zeros(8, dtype=torch.uint8), bucket)
+    except ValueError as error:
+        assert "does not match its layout" in str(error)
+    else:
+        raise AssertionError("a truncated bucket was accepted")
+
+
+def test_a_version_is_released_only_when_every_live_subscriber_has_passed_it():
+    assert releasable([3, 4, 5], latest=5, acked=[4, 5]) == [3, 4]
+    assert releasable([3, 4, 5], latest=5, acked=[3, 5]) == [3]
+    assert releasable([3, 4, 5], latest=5, acked=[]) == [3, 4]  # nobody listens: keep only the latest
+    assert releasable([5], latest=5, acked=[5]) == []  # the latest always stays for new engines
+
+
+def test_broadcast_ranks_are_agreed_by_name():
+    assert broadcast_ranks(["b", "a", "c"]) == {"a": 1, "b": 2, "c": 3}
