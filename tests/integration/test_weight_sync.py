@@ -134,3 +134,66 @@ def test_a_dead_subscriber_holds_no_version_back_and_leaves_the_broadcast_group(
     assert timings["broadcast_s"] < 5  # the new group has only live members: no timeout
     assert ray.get(alive.by_broadcast.remote()) == 1
     ray.kill(alive)
+
+
+def _hf_engine(tiny_path):
+    from rlx.engines.generation import EngineSpec, build_generation_engine
+
+    return build_generation_engine("hf", EngineSpec(tiny_path))
+
+
+@pytest.mark.parametrize("channel", ["object-store", "gloo"])
+def test_engine_and_actor_agree_on_logprobs_after_a_sync(cluster, model, tiny_path, channel):
+    from tests.integration.test_generation_vs_training import PROMPTS, _max_logprob_gap, _requests
+
+    from rlx.engines.generation import SamplingParams
+
+    sync = WeightSync.create(channel, bucket_mb=0.05, timeout_s=20)
+    publisher = sync.publisher()
+    publisher.publish(model.state_dict(), 0)
+    engine, tokenizer = _hf_engine(tiny_path)
+    subscriber = sync.subscriber("hf", engine.load_weights)
+    subscriber.start()
+    trained = load_pretrained(tiny_path)[0]
+    trained.load_state_dict(_perturbed(model, 7))
+    publisher.publish(trained.state_dict(), 1)
+    deadline = time.monotonic() + 20
+    while not subscriber.apply() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.weight_version == 1
+    results = engine.generate(_requests(tokenizer, PROMPTS * 2), SamplingParams(temperature=0.8, max_new_tokens=16, seed=4))
+    gap = _max_logprob_gap(trained, tokenizer, results, 0.8)
+    print(f"{channel}: max |engine - actor| log-prob after sync = {gap:.2e}")
+    assert gap < 1e-4
+    subscriber.close()
+
+
+def test_a_version_loaded_mid_generation_keeps_requests_in_flight(cluster, model, tiny_path):
+    from tests.integration.test_generation_vs_training import _requests
+
+    from rlx.engines.generation import SamplingParams
+
+    sync = WeightSync.create("object-store", timeout_s=20)
+    publisher = sync.publisher()
+    publisher.publish(model.state_dict(), 0)
+    engine, tokenizer = _hf_engine(tiny_path)
+    subscriber = sync.subscriber("hf", engine.load_weights)
+    subscriber.start()
+    steps = 0
+
+    def between_steps() -> None:  # the Actor publishes while the engine decodes; the engine applies it
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            publisher.publish(_perturbed(model, 1), 1)
+            deadline = time.monotonic() + 20
+            while not subscriber.apply() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    requests = _requests(tokenizer, ["go"] * 8)
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, seed=5)
+    results = list(engine.stream(requests, params, between_steps=between_steps))
+    assert sorted(r.request_id for r in results) == list(range(8))  # nothing in flight was dropped
+    long = [r for r in results if len(r.response_ids) > 3]
+    assert long and all(r.weight_version == 0 and r.extra["last_weight_version"] == 1 for r in long)
+    subscriber.close()
