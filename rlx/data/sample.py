@@ -15,7 +15,8 @@ class Sample:
     prompt_ids: list[int] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
     rollout_logprobs: list[float] = field(default_factory=list)
-    behavior_version: int = 0
+    behavior_version: int = 0  # weights the first token was sampled with (staleness counts from it)
+    last_behavior_version: int | None = None  # weights of the last token: newer if loaded mid-generation
     finish_reason: str = ""
     response_text: str = ""
     prompt_text: str = ""  # the user's question, for judges (GenRM)

@@ -29,6 +29,7 @@ from rlx.roles.rollout import Group
 
 SAMPLE_FIELDS = {f.name for f in dataclass_fields(Sample)} - {"uid"}
 ROLLOUT_FIELDS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "behavior_version",
+                  "last_behavior_version",
                   "finish_reason", "response_text", "prompt_text", "label", "metadata"]
 REWARD_INPUTS = ["group_id", "response_ids", "response_text", "prompt_text", "label", "metadata"]
 ADVANTAGE_INPUTS = ["group_id", "reward", "reward_error"]
@@ -470,6 +471,9 @@ def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, floa
         "response_length": sum(lengths) / max(1, len(lengths)),
         "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
         "staleness_mean": sum(k * v for k, v in staleness.items()) / max(1, len(samples)),
+        # samples whose weights changed mid-generation (a version loaded between decode steps)
+        "mixed_version_fraction": sum(s.last_behavior_version not in (None, s.behavior_version)
+                                      for s in samples) / max(1, len(samples)),
         **{f"staleness_{k}": float(v) for k, v in sorted(staleness.items())},
         **distillation_metrics(samples),
     }

@@ -56,6 +56,7 @@ class Rollout:
                 response_ids=result.response_ids,
                 rollout_logprobs=result.logprobs,
                 behavior_version=result.weight_version,
+                last_behavior_version=result.extra.get("last_weight_version", result.weight_version),
                 finish_reason=result.finish_reason,
                 response_text=self.tokenizer.decode(result.response_ids, skip_special_tokens=True),
                 prompt_text=row.question,
