@@ -1,0 +1,517 @@
+"""rlx's `hf` engine behind SGLang's HTTP routes: a real server to test the `sglang` adapter on CPU.
+
+Routes and shapes follow SGLang (`/generate`, `/get_model_info`, `/health`, `/pause_generation`,
+`/continue_generation`, `/flush_cache`, `/update_weights_from_tensor`, `/init_weights_update_group`,
+`/update_weights_from_distributed`); `/get_server_info` adds the batching counters. What differs:
+token ids only (no `text` prompts, no streaming), no prompt log-probs, `sampling_seed` is ignored
+(one random stream per batch), `pause_generation` takes `retract` or `in_place` (both keep requests
+in flight, with their KV cache, until `continue_generation`), the process group is gloo only, and
+`/flush_cache` has nothing to flush (the `hf` engine keeps no cache across requests).
+
+Run it: `python -m rlx.engines.generation.http_server --model tiny-char --port 30000` (127.0.0.1 only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import itertools
+import pickle
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ClassVar, Self, TypeVar
+
+import torch
+import torch.distributed as dist
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from rlx.engines.generation import EngineSpec, build_generation_engine
+from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams
+from rlx.engines.generation.hf import HFGenerationEngine
+from rlx.engines.generation.sglang import WeightGroup, broadcast_tensors, process_group
+from rlx.models import resolve_model_path
+
+T = TypeVar("T")
+SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "sampling_seed",
+                 "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+
+
+def sampling_params_from_body(body: dict[str, Any]) -> SamplingParams:
+    """rlx SamplingParams from SGLang's `sampling_params` (same defaults, same validity rules);
+    ValueError names what this server does not support."""
+    unsupported = sorted(set(body) - SAMPLING_KEYS)
+    if unsupported:
+        raise ValueError(f"sampling params {unsupported} are not supported by the rlx hf server")
+    temperature, top_p, top_k = float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0)), int(body.get("top_k", -1))
+    if temperature < 0:
+        raise ValueError(f"temperature must be non-negative, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k == 0 or top_k < -1:
+        raise ValueError(f"top_k must be -1 (disable) or at least 1, got {top_k}")
+    stop = body.get("stop") or ()
+    return SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_new_tokens=int(body.get("max_new_tokens", 128)),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop), stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+    )
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Loads a pickled list of CPU tensors and nothing else: only the three callables such a pickle
+    names are found, and storage bytes load with `weights_only=True`, so a crafted body runs no code."""
+
+    ALLOWED: ClassVar = {("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return lambda data: torch.load(io.BytesIO(data), weights_only=True)
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in serialized_named_tensors")
+
+
+def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
+    """One `serialized_named_tensors` entry (see `sglang.serialize_named_tensors`) back to `[(name, tensor)]`."""
+    named = _TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+    if not (isinstance(named, list) and all(isinstance(n, tuple) and len(n) == 2 and isinstance(n[0], str)
+                                            and isinstance(n[1], torch.Tensor) for n in named)):
+        raise ValueError("serialized_named_tensors must hold a list of (name, tensor) pairs")
+    return named
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+class _Stopping(Exception):
+    pass
+
+
+@dataclass
+class _Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: Future
+
+
+class EngineLoop:
+    """Runs the `hf` engine on one thread.
+
+    Jobs with equal sampling params decode together (continuous batching: jobs that arrive
+    mid-batch join it through `refill`). Calls (weight loads) run on the same thread between
+    decode steps, so they never race a forward pass. While paused, no decode step runs and no job
+    is admitted, but calls still run."""
+
+    def __init__(self, engine: HFGenerationEngine) -> None:
+        self.engine = engine
+        self.decode_steps = 0
+        self.peak_batch = 0  # most requests ever decoding together
+        self._ids = itertools.count()
+        self._jobs: deque[_Job] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._paused = self._stopping = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="rlx-hf-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Future:
+        job = _Job(prompt_ids, params, Future())
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine loop has stopped")
+            self._jobs.append(job)
+            self._cond.notify_all()
+        return job.future
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread (between decode steps) and return its result."""
+        future: Future = Future()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine loop has stopped")
+            self._calls.append((fn, future))
+            self._cond.notify_all()
+        return future.result()
+
+    def pause(self) -> None:
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Finish the current decode step, then fail whatever is still waiting."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+        for future in [job.future for job in self._jobs] + [future for _, future in self._calls]:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the server stopped"))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or self._calls or (self._jobs and not self._paused))
+                if self._stopping:
+                    return
+            self._run_calls()
+            jobs = self._take(None, self.engine.max_batch_size)
+            if jobs:
+                self._decode(jobs)
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._cond:
+                if not self._calls:
+                    return
+                fn, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as error:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(error)
+
+    def _take(self, params: SamplingParams | None, limit: int) -> list[_Job]:
+        """Up to `limit` waiting jobs with these params (any params: the oldest job's)."""
+        with self._cond:
+            if self._paused or self._stopping or not self._jobs:
+                return []
+            params = params or self._jobs[0].params
+            taken, kept = [], deque()
+            for job in self._jobs:
+                (taken if job.params == params and len(taken) < limit else kept).append(job)
+            self._jobs = kept
+            return taken
+
+    def _decode(self, jobs: list[_Job]) -> None:
+        params = jobs[0].params
+        futures: dict[int, Future] = {}
+
+        def admit(batch: list[_Job]) -> list[GenerationRequest]:
+            requests = []
+            for job in batch:
+                if job.future.set_running_or_notify_cancel():  # False: the client went away
+                    request_id = next(self._ids)
+                    futures[request_id] = job.future
+                    requests.append(GenerationRequest(request_id, job.prompt_ids))
+            self.peak_batch = max(self.peak_batch, len(futures))
+            return requests
+
+        try:
+            results = self.engine.stream(admit(jobs), params, refill=lambda free: admit(self._take(params, free)),
+                                         between_steps=self._between_steps)
+            for result in results:
+                futures.pop(result.request_id).set_result(result)
+        except Exception as error:  # noqa: BLE001 - every waiting request gets the error
+            for future in futures.values():
+                future.set_exception(error)
+
+    def _between_steps(self) -> None:
+        self.decode_steps += 1
+        while True:
+            self._run_calls()
+            with self._cond:
+                if self._stopping:
+                    raise _Stopping("the server is stopping")
+                if not self._paused:
+                    return
+                self._cond.wait_for(lambda: self._calls or not self._paused or self._stopping)
+
+
+class _Body(BaseModel):
+    """The part of an SGLang io_struct class this server honours: other fields are refused (422),
+    not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class GenerateReqInput(_Body):
+    input_ids: list[int] | list[list[int]]
+    sampling_params: dict[str, Any] | list[dict[str, Any]] = {}
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
+class PauseGenerationReqInput(_Body):
+    mode: str = "abort"
+
+
+class UpdateWeightsFromTensorReqInput(_Body):
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True  # nothing to flush here
+    weight_version: str | None = None
+
+
+class InitWeightsUpdateGroupReqInput(_Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedReqInput(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True  # nothing to flush here
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+def _error(status: int, error: Exception) -> JSONResponse:
+    return JSONResponse({"error": {"message": str(error)}}, status_code=status)
+
+
+def _failure(error: Exception) -> JSONResponse:
+    return JSONResponse({"success": False, "message": str(error)}, status_code=400)
+
+
+def _jobs(body: GenerateReqInput, vocab_size: int) -> list[tuple[list[int], SamplingParams]]:
+    """(prompt ids, params) per prompt; ValueError for anything this server will not run."""
+    if body.stream:
+        raise ValueError("streaming replies are not supported by the rlx hf server")
+    if body.return_logprob and body.logprob_start_len != -1:
+        raise ValueError("prompt log-probs (logprob_start_len != -1) are not supported by the rlx hf server")
+    prompts = body.input_ids if body.input_ids and isinstance(body.input_ids[0], list) else [body.input_ids]
+    settings = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(prompts)
+    if len(settings) != len(prompts):
+        raise ValueError(f"{len(settings)} sampling_params for {len(prompts)} prompts")
+    for ids in prompts:
+        if not ids:
+            raise ValueError("input_ids is empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+    return [(ids, sampling_params_from_body(s)) for ids, s in zip(prompts, settings)]
+
+
+def _reply(result: GenerationResult, params: SamplingParams, stop_ids: set[int], tokenizer: Any,
+           return_logprob: bool, rid: str | None) -> dict[str, Any]:
+    text = tokenizer.decode(result.response_ids, skip_special_tokens=True)
+    if result.finish_reason == "length":
+        finish: dict[str, Any] = {"type": "length", "length": len(result.response_ids)}
+    else:
+        last = result.response_ids[-1]
+        matched = last if last in stop_ids else next((s for s in params.stop if text.endswith(s)), None)
+        finish = {"type": "stop", "matched": matched}
+    meta: dict[str, Any] = {
+        "id": rid or uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(result.prompt_ids),
+        "completion_tokens": len(result.response_ids), "cached_tokens": 0,
+        "weight_version": str(result.extra["last_weight_version"]),
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.response_ids)]
+    return {"text": text, "output_ids": result.response_ids, "meta_info": meta}
+
+
+def build_app(loop: EngineLoop, tokenizer: Any, model_path: str, group_timeout_s: float = 300.0) -> FastAPI:
+    """The FastAPI app: SGLang's routes over an EngineLoop."""
+    app = FastAPI(title="rlx hf engine (SGLang routes)")
+    engine = loop.engine
+    vocab_size = engine.model.get_input_embeddings().num_embeddings
+    groups: dict[str, WeightGroup] = {}
+
+    def load(named: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
+        """Partial updates are fine (as in SGLang): unnamed weights keep their values. Names and
+        shapes are checked before anything is copied, so a bad update changes nothing."""
+        if weight_version is not None and not weight_version.lstrip("-").isdigit():
+            raise ValueError(f"weight_version {weight_version!r} is not an integer (rlx versions are)")
+        version = engine.weight_version if weight_version is None else int(weight_version)
+
+        def apply() -> None:
+            state = engine.model.state_dict()
+            for name, tensor in named:
+                if name not in state:
+                    raise ValueError(f"{name!r} is not a weight of {model_path}")
+                if tensor.shape != state[name].shape:
+                    raise ValueError(f"{name!r} has shape {list(tensor.shape)}, expected {list(state[name].shape)}")
+            engine.load_weights({**state, **dict(named)}, version)
+
+        loop.call(apply)
+
+    @app.get("/health")
+    def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    def get_model_info() -> dict[str, Any]:
+        return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
+                "weight_version": str(engine.weight_version)}
+
+    @app.get("/get_server_info")
+    def get_server_info() -> dict[str, Any]:
+        return {"model_path": model_path, "weight_version": str(engine.weight_version),
+                "max_running_requests": engine.max_batch_size,
+                "internal_states": [{"decode_steps": loop.decode_steps, "peak_batch": loop.peak_batch}]}
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(body: GenerateReqInput) -> Any:
+        try:
+            jobs = _jobs(body, vocab_size)
+        except ValueError as error:
+            return _error(400, error)
+        futures = [loop.submit(ids, params) for ids, params in jobs]
+        try:
+            results = [await asyncio.wrap_future(future) for future in futures]
+        except Exception as error:  # noqa: BLE001 - reported to the client
+            return _error(500, error)
+        rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(jobs)
+        stop_ids = set(engine.eos_token_ids)
+        replies = [_reply(result, params, stop_ids | set(params.stop_token_ids), tokenizer, body.return_logprob, rid)
+                   for result, (_, params), rid in zip(results, jobs, rids)]
+        return replies if isinstance(body.input_ids[0], list) else replies[0]
+
+    @app.post("/pause_generation")
+    def pause_generation(body: PauseGenerationReqInput | None = None) -> Any:
+        mode = (body or PauseGenerationReqInput()).mode
+        if mode not in ("retract", "in_place"):
+            return _error(400, ValueError(f"pause mode {mode!r} is not supported here; use retract or in_place"))
+        loop.pause()
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    def continue_generation() -> dict[str, str]:
+        loop.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    def flush_cache() -> PlainTextResponse:
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/update_weights_from_tensor")
+    def update_weights_from_tensor(body: UpdateWeightsFromTensorReqInput) -> Any:
+        try:
+            if body.load_format not in (None, "direct"):
+                raise ValueError(f"load_format {body.load_format!r} is not supported here")
+            if not body.serialized_named_tensors:
+                raise ValueError("serialized_named_tensors is empty")
+            load(deserialize_named_tensors(body.serialized_named_tensors[0]), body.weight_version)  # this is TP rank 0
+        except Exception as error:  # noqa: BLE001 - reported as SGLang does
+            return _failure(error)
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    @app.post("/init_weights_update_group")
+    def init_weights_update_group(body: InitWeightsUpdateGroupReqInput) -> Any:
+        try:
+            if body.backend != "gloo":
+                raise ValueError(f"backend {body.backend!r} is not available on this CPU server; use gloo")
+            timeout = timedelta(seconds=group_timeout_s)
+            store = dist.TCPStore(body.master_address, body.master_port, body.world_size, is_master=False,
+                                  timeout=timeout)
+            groups[body.group_name] = process_group(store, body.group_name, "gloo", body.rank_offset,
+                                                    body.world_size, timeout)
+        except Exception as error:  # noqa: BLE001 - reported as SGLang does
+            return _failure(error)
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    @app.post("/update_weights_from_distributed")
+    def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqInput) -> Any:
+        """Receive every tensor first, then check and load: the group stays in step even when the
+        update is refused."""
+        try:
+            if body.load_format not in (None, "direct"):
+                raise ValueError(f"load_format {body.load_format!r} is not supported here")
+            if body.group_name not in groups:
+                raise ValueError(f"no weight update group {body.group_name!r}; call /init_weights_update_group")
+            if not len(body.names) == len(body.dtypes) == len(body.shapes):
+                raise ValueError("names, dtypes and shapes differ in length")
+            tensors = [torch.empty(shape, dtype=parse_dtype(d)) for d, shape in zip(body.dtypes, body.shapes)]
+            broadcast_tensors(groups[body.group_name], tensors)
+            load(list(zip(body.names, tensors)), body.weight_version)
+        except Exception as error:  # noqa: BLE001 - reported as SGLang does
+            return _failure(error)
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    return app
+
+
+class LoopbackServer:
+    """The `hf` engine served on 127.0.0.1: `start()` runs uvicorn on a background thread (tests),
+    `serve()` in the calling thread (the command line). Port 0 picks a free port; `port` tells it."""
+
+    def __init__(self, model: str | Path, port: int = 0, max_batch_size: int = 64) -> None:
+        path = resolve_model_path(str(model))
+        engine, tokenizer = build_generation_engine("hf", EngineSpec(path, max_batch_size=max_batch_size))
+        self.loop = EngineLoop(engine)
+        self._socket = socket.create_server(("127.0.0.1", port))  # bound now, so the port is known at once
+        self.port: int = self._socket.getsockname()[1]
+        config = uvicorn.Config(build_app(self.loop, tokenizer, str(path)), log_level="warning",
+                                timeout_graceful_shutdown=5)
+        self._uvicorn = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def serve(self) -> None:
+        try:
+            self._uvicorn.run(sockets=[self._socket])
+        finally:
+            self.loop.stop()
+
+    def start(self, timeout_s: float = 30.0) -> Self:
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]},
+                                        name="rlx-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """Fail requests still waiting (so no handler hangs), then shut uvicorn down."""
+        self.loop.stop()
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._socket.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face folder or a built-in model name")
+    parser.add_argument("--port", type=int, default=30000, help="port on 127.0.0.1 (0 picks a free one)")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="requests decoding together")
+    args = parser.parse_args(argv)
+    server = LoopbackServer(args.model, args.port, args.max_batch_size)
+    print(f"serving {args.model} on {server.url}", flush=True)
+    server.serve()
+
+
+if __name__ == "__main__":
+    main()
