@@ -52,6 +52,9 @@ class HeartbeatsClient:
         ray.get(self.actor.forget.remote(replica))
 
 
+CALL_TIMEOUT_S = 600.0  # a checkpoint of a large model can take minutes; anything longer is a hang
+
+
 class Controller:
     def __init__(self, config: RunConfig, echo: Callable[[str], None] = print) -> None:
         self.config, self.echo = config, echo
@@ -111,8 +114,14 @@ class Controller:
         self.rollout_replicas = replicas
         return {"replicas_before": before, "replicas": replicas}
 
-    def call(self, role: str, method: str, *args: Any) -> Any:
-        return getattr(self.handles[role], method).remote(*args).result(timeout_s=600)
+    def call(self, role: str, method: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        """A call on a role's service; a service that does not answer in time is named in the error."""
+        try:
+            return getattr(self.handles[role], method).remote(*args).result(timeout_s=timeout_s)
+        except TimeoutError as error:
+            detail = f" {args[0]!r}" if method == "call" and args else ""
+            raise TimeoutError(f"the {role} service did not answer {method}{detail} within {timeout_s:.0f}s; "
+                               f"see `rlx status` and the {role} replica's log") from error
 
     def shutdown(self) -> None:
         for role in reversed(list(self.handles)):
