@@ -140,7 +140,8 @@ class AsyncRun:
                 c.call(role, "stop")
             self.checkpoint()
             (self.run_dir / "health.json").write_text(json.dumps(
-                {"recoveries": self.health.report(), "prompts": c.prompts.state(), "bus": c.bus.metrics()}, indent=2))
+                {"recoveries": self.health.report(), "prompts": c.prompts.state(), "bus": c.bus.metrics(),
+                 "weights": c.weights.status()}, indent=2))
             final = evaluator()
             final["wall_time_s"] = time.perf_counter() - started
             writer.write(self.step, final)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import psutil
 
 from rlx.obs.metrics import read_metrics
@@ -30,10 +32,11 @@ def test_async_run_trains_within_staleness_and_leaves_no_processes(tiny_path, tm
 
 def test_async_ppo_with_teacher_and_judge_roles(tiny_path, tmp_path):
     """Critic, Teacher and GenRM each run as their own service: values, teacher log-probs and judged
-    rewards all travel over the bus, and the critic's training steps reach the metrics."""
+    rewards all travel over the bus, and the critic's training steps reach the metrics. Weights go
+    to the rollout over a gloo broadcast group."""
     config = toy_config(tiny_path, tmp_path, train__steps=3, train__mode="async", train__max_staleness=1,
                         rollout__prompts_per_step=2, algorithm__advantage="gae", teacher__path=str(tiny_path),
-                        reward__name="genrm")
+                        reward__name="genrm", weights__channel="gloo")
     config.reward.judge.model = str(tiny_path)
     config.reward.judge.parser = "tests.integration.toy_task:judge_length"
     run_dir = run_async(config, echo=lambda _: None)
@@ -44,3 +47,7 @@ def test_async_ppo_with_teacher_and_judge_roles(tiny_path, tmp_path):
         assert "distill_reverse_kl" in r  # teacher log-probs reached the trainer
         assert 0 < r["busy_critic"] <= 1 and 0 < r["busy_teacher"] <= 1 and 0 < r["busy_genrm"] <= 1
     assert sum("value_loss" in r for r in steps) >= 2  # critic steps, reported beside the actor's
+    weights = json.loads((run_dir / "health.json").read_text())["weights"]
+    # released as the rollout moved on: the latest, and at most the one the rollout was still using
+    assert weights["latest"] == 3 and weights["epoch"] >= 1 and weights["held"][-1] == 3 and len(weights["held"]) <= 2
+    assert [s["channel"] for s in weights["subscribers"].values()] == ["gloo"]
