@@ -47,3 +47,15 @@ class GenerationEngine(Protocol):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Replace the weights in place and record their version."""
+
+
+class StreamingEngine:
+    """`generate` for every engine that implements `stream`."""
+
+    def stream(self, requests: list[GenerationRequest], params: SamplingParams) -> Iterator[GenerationResult]:
+        raise NotImplementedError
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationResult]:
+        """All results, in request order."""
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        return sorted(self.stream(requests, params), key=lambda res: order[res.request_id])

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams
+from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -118,7 +118,7 @@ class _Running:
 Refill = Callable[[int], list[GenerationRequest]]
 
 
-class HFGenerationEngine:
+class HFGenerationEngine(StreamingEngine):
     def __init__(
         self,
         model: PreTrainedModel,
@@ -143,11 +143,6 @@ class HFGenerationEngine:
         with torch.no_grad():
             self.model.load_state_dict(state_dict, strict=True)
         self.weight_version = version
-
-    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationResult]:
-        """All results, in request order."""
-        order = {r.request_id: i for i, r in enumerate(requests)}
-        return sorted(self.stream(requests, params), key=lambda res: order[res.request_id])
 
     def stream(
         self,

@@ -33,7 +33,7 @@ from requests.adapters import HTTPAdapter
 
 from rlx.config import ConfigError
 from rlx.engines.generation import EngineSpec
-from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams
+from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
 from rlx.models import load_tokenizer
 
 OPTIONS = {"url", "timeout_s", "tp_size", "weight_chunk_mb", "max_concurrency"}
@@ -232,7 +232,7 @@ def _in_background(fn: Callable[[], Any]) -> Future:
     return future
 
 
-class SGLangEngine:
+class SGLangEngine(StreamingEngine):
     """The generation-engine interface over one SGLang server (see the module docstring)."""
 
     def __init__(self, url: str, timeout_s: float = 600.0, max_concurrency: int = 64, tp_size: int = 1,
@@ -257,11 +257,6 @@ class SGLangEngine:
 
     def model_info(self) -> dict[str, Any]:
         return self._call("GET", "/get_model_info")
-
-    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationResult]:
-        """All results, in request order."""
-        order = {r.request_id: i for i, r in enumerate(requests)}
-        return sorted(self.stream(requests, params), key=lambda res: order[res.request_id])
 
     def stream(
         self,
