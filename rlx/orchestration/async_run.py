@@ -31,7 +31,7 @@ from rlx.orchestration.controller import Controller, role_names
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.health import HealthManager
 from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
-from rlx.weights.sync import WeightSync
+from rlx.weights.sync import WeightReader, WeightSync
 
 POLL_S = 2.0  # status round trips cost CPU the roles need
 
@@ -40,7 +40,7 @@ class DriverEvaluator:
     """Greedy held-out evaluation in the driver, on the latest published weights."""
 
     def __init__(self, config: RunConfig, weights: WeightSync) -> None:
-        self.config, self.weights = config, weights
+        self.config, self.weights = config, WeightReader(weights)
         self.rows = load_splits(config.data)[1]
         self.rollout = build_rollout(config, model_path(config))
         self.reward = build_reward_role(config)
@@ -48,7 +48,7 @@ class DriverEvaluator:
         self.params: SamplingParams = sampling_params(config, seed=0, greedy=True)
 
     def __call__(self) -> dict[str, float]:
-        self.weights.pull(self.rollout.engine.weight_version, self.rollout.load_weights)
+        self.weights.pull(self.rollout.load_weights)
         metrics = evaluate(self.rollout, self.reward, self.rows, self.encode, self.params)
         return {**metrics, "eval_weight_version": float(self.rollout.engine.weight_version)}
 

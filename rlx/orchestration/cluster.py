@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import ray
+from ray._private import ray_constants
 
 
 def start_ray(num_cpus: float | None = None, address: str | None = None) -> None:
@@ -14,8 +15,11 @@ def start_ray(num_cpus: float | None = None, address: str | None = None) -> None
     if address:
         ray.init(address=address, log_to_driver=False)
         return
-    # Ray reads this variable itself; it keeps a single-node cluster on the loopback interface.
+    # This variable keeps a single-node cluster on the loopback interface. Ray reads it when it is
+    # imported, so the driver (already past its import) gets the constant set directly; the
+    # processes Ray starts inherit the variable.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
     # workers import user code (custom rewards) the way the driver does: from the working directory
     python_path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
     ray.init(

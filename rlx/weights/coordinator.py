@@ -5,6 +5,11 @@ coordinator the references. Subscribers long-poll `wait_newer`, load the version
 `ack` it. A version older than the latest is released once every live subscriber has acknowledged
 it or something newer, or was declared dead; the latest version is always kept, because new and
 restarted engines start from it.
+
+Versions normally only grow. A global recovery of the Actor from a checkpoint publishes an older
+version with `rollback=True`: every newer version is forgotten and the subscribers load the
+checkpoint's weights. Subscribers therefore wait on `serial`, which counts accepted publications
+and never goes back.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from rlx.weights.buckets import Bucket
 @dataclass
 class Version:
     version: int
+    serial: int
     layout: list[Bucket]
     refs: list[Any]  # one ObjectRef per bucket
     published_at: float
@@ -55,6 +61,7 @@ class WeightCoordinator:
     def __init__(self, subscriber_timeout_s: float = 60.0) -> None:
         self.versions: dict[int, Version] = {}
         self.latest = -1
+        self.serial = -1
         self.subscribers: dict[str, Subscriber] = {}
         self.subscriber_timeout_s = subscriber_timeout_s
         self.epoch = 0
@@ -63,14 +70,20 @@ class WeightCoordinator:
         self.released = 0
 
     # publishers
-    async def publish(self, version: int, layout: list[Bucket], refs: list, broadcast: dict | None = None) -> dict:
-        """Record `version` (ignored unless newer). With `broadcast` (host, port), returns the
-        epoch and ranks of the live broadcast subscribers that must receive it."""
-        if version <= self.latest:
+    async def publish(self, version: int, layout: list[Bucket], refs: list, broadcast: dict | None = None,
+                      rollback: bool = False) -> dict:
+        """Record `version` (ignored unless newer, or `rollback`). With `broadcast` (host, port),
+        returns the epoch and ranks of the live broadcast subscribers that must receive it."""
+        if version <= self.latest and not rollback:
             return {"accepted": False, "latest": self.latest}
+        if rollback:  # the versions after the checkpoint belong to a lost Actor: nobody may load them now
+            self.versions.clear()
+            for subscriber in self.subscribers.values():
+                subscriber.version = -1
         if broadcast is not None:
             broadcast = {**broadcast, **self._broadcast_group()}
-        self.versions[version] = Version(version, layout, list(refs), time.monotonic(), broadcast)
+        self.serial += 1
+        self.versions[version] = Version(version, self.serial, layout, list(refs), time.monotonic(), broadcast)
         self.latest = version
         self._release()
         async with self._changed:
@@ -102,17 +115,17 @@ class WeightCoordinator:
             self.subscribers[name].alive = False
             self._release()
 
-    async def wait_newer(self, name: str | None, than: int, timeout_s: float) -> dict | None:
-        """The latest version if newer than `than`, waiting up to `timeout_s` for one."""
+    async def wait_newer(self, name: str | None, than_serial: int, timeout_s: float) -> dict | None:
+        """The latest version if published after `than_serial`, waiting up to `timeout_s` for one."""
         self._seen(name)
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.latest > than), timeout_s)
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.serial > than_serial), timeout_s)
             except asyncio.TimeoutError:
                 return None
         self._seen(name)
         record = self.versions[self.latest]
-        return {"version": record.version, "layout": record.layout, "refs": record.refs,
+        return {"version": record.version, "serial": record.serial, "layout": record.layout, "refs": record.refs,
                 "broadcast": record.broadcast}
 
     def ack(self, name: str, version: int, load_s: float | None = None) -> None:

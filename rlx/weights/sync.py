@@ -73,20 +73,38 @@ class WeightSync:
         """Declare a subscriber dead (the HealthManager does, for replicas it replaced)."""
         self.coordinator.mark_dead.remote(subscriber)
 
-    def fetch_latest(self, than: int = -1, wait_s: float = 0.0, name: str | None = None) -> tuple[int, StateDict, list] | None:
-        """`(version, state_dict, refs)` of the latest version if newer than `than`, from the object
-        store. The state dict views the buckets (zero-copy, read-only) while `refs` is held."""
-        record = ray.get(self.coordinator.wait_newer.remote(name, than, wait_s))
+    def fetch_latest(self, than_serial: int = -1, wait_s: float = 0.0, name: str | None = None) -> Fetched | None:
+        """The latest version if it was published after `than_serial`, from the object store. Its
+        state dict views the buckets (zero-copy, read-only) while the `Fetched` is alive."""
+        record = ray.get(self.coordinator.wait_newer.remote(name, than_serial, wait_s))
         if record is None:
             return None
-        return record["version"], _from_object_store(record["layout"], record["refs"]), record["refs"]
+        return Fetched(record["version"], record["serial"], _from_object_store(record["layout"], record["refs"]),
+                       record["refs"])
 
-    def pull(self, current_version: int, load: Loader) -> None:
-        """Load the latest version through `load(state_dict, version)` if it is newer than ours
-        (for one-off readers, such as the driver's evaluator, that need no subscription)."""
-        latest = self.fetch_latest(than=current_version)
-        if latest is not None:
-            load(latest[1], latest[0])
+
+@dataclass
+class Fetched:
+    version: int
+    serial: int  # the coordinator's count of publications: what "newer" means, rollbacks included
+    state_dict: StateDict
+    refs: list  # keep the buckets alive while the state dict is in use
+
+
+class WeightReader:
+    """For a one-off reader, such as the driver's evaluator, that needs no subscription."""
+
+    def __init__(self, sync: WeightSync) -> None:
+        self.sync, self.serial = sync, -1
+
+    def pull(self, load: Loader) -> bool:
+        """Load the latest version through `load(state_dict, version)` if it is new to us."""
+        fetched = self.sync.fetch_latest(than_serial=self.serial)
+        if fetched is None:
+            return False
+        load(fetched.state_dict, fetched.version)
+        self.serial = fetched.serial
+        return True
 
 
 def _from_object_store(layout: list[Bucket], refs: list) -> StateDict:
@@ -115,14 +133,16 @@ class WeightPublisher:
             self._layout = (key, plan_buckets(state_dict, self.sync.bucket_bytes))
         return self._layout[1]
 
-    def publish(self, state_dict: StateDict, version: int) -> dict[str, float]:
-        """Timings in seconds: `put_s` (into the object store), `broadcast_s` (0 on object-store)."""
+    def publish(self, state_dict: StateDict, version: int, rollback: bool = False) -> dict[str, float]:
+        """Timings in seconds: `put_s` (into the object store), `broadcast_s` (0 on object-store).
+        `rollback`: publish even if not newer, and make everyone forget newer versions (an Actor
+        that restarted from a checkpoint)."""
         started = time.monotonic()
         layout = self.layout(state_dict)
         refs = [ray.put(to_arrays(state_dict, bucket)) for bucket in layout]
         put_s = time.monotonic() - started
         broadcast = None if self._store is None else {"host": self.host, "port": self._store.port}
-        result = ray.get(self.sync.coordinator.publish.remote(version, layout, refs, broadcast))
+        result = ray.get(self.sync.coordinator.publish.remote(version, layout, refs, broadcast, rollback))
         broadcast_s = 0.0
         if result["accepted"] and result.get("ranks"):
             broadcast_started = time.monotonic()
@@ -153,7 +173,8 @@ class WeightSubscriber:
     def __init__(self, sync: WeightSync, name: str, load: Loader) -> None:
         self.sync, self.name, self.load = sync, name, load
         self.version = -1
-        self._pending: tuple[int, StateDict, list, float] | None = None
+        self._serial = -1
+        self._pending: tuple[Fetched, float] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -166,18 +187,17 @@ class WeightSubscriber:
         """Load the latest published version (waiting up to `wait_s` for the first one), register,
         and start receiving. Returns the version loaded."""
         wait_s = self.sync.timeout_s if wait_s is None else wait_s
-        latest = self.sync.fetch_latest(than=-1, wait_s=wait_s, name=self.name)
+        latest = self.sync.fetch_latest(than_serial=-1, wait_s=wait_s, name=self.name)
         if latest is None:
             raise WeightSyncTimeout(f"weight subscriber {self.name!r} waited {wait_s:.0f} s for a first weight version "
                                     "and none was published; is the Actor running? (raise weights.timeout_s)")
-        version, state, refs = latest
-        self.load(state, version)
-        self.version = version
-        ray.get(self.sync.coordinator.register.remote(self.name, self.sync.channel, version))
-        self.sync.coordinator.ack.remote(self.name, version)
+        self.load(latest.state_dict, latest.version)
+        self.version, self._serial = latest.version, latest.serial
+        ray.get(self.sync.coordinator.register.remote(self.name, self.sync.channel, latest.version))
+        self.sync.coordinator.ack.remote(self.name, latest.version)
         self._thread = threading.Thread(target=self._receive_forever, name=f"weights-{self.name}", daemon=True)
         self._thread.start()
-        return version
+        return latest.version
 
     def apply(self) -> bool:
         """Load the newest received version, if any; True when the weights changed."""
@@ -185,10 +205,10 @@ class WeightSubscriber:
             pending, self._pending = self._pending, None
         if pending is None:
             return False
-        version, state, _refs, received_at = pending
-        self.load(state, version)
-        self.version = version
-        self.sync.coordinator.ack.remote(self.name, version, time.monotonic() - received_at)
+        fetched, received_at = pending
+        self.load(fetched.state_dict, fetched.version)
+        self.version = fetched.version
+        self.sync.coordinator.ack.remote(self.name, fetched.version, time.monotonic() - received_at)
         return True
 
     def close(self) -> None:
@@ -199,17 +219,19 @@ class WeightSubscriber:
             pass
 
     def _receive_forever(self) -> None:
-        received = self.version
+        received = self._serial
         while not self._stop.is_set():
             try:
                 record = ray.get(self.sync.coordinator.wait_newer.remote(self.name, received, self.poll_s))
                 if record is None:
                     continue
                 started = time.monotonic()
-                state = self._receive(record)
+                fetched = Fetched(record["version"], record["serial"], self._receive(record), record["refs"])
                 with self._lock:
-                    self._pending = (record["version"], state, record["refs"], started)
-                received = record["version"]
+                    self._pending = (fetched, started)
+                received = record["serial"]
+            except SystemExit:  # Ray shut down under this thread (the process is ending)
+                return
             except Exception as error:  # keep receiving: the next version may well arrive
                 if not self._stop.is_set():
                     log.warning("weight subscriber %s: %s", self.name, error)

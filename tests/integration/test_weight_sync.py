@@ -96,7 +96,7 @@ def test_subscribers_load_each_version_and_old_versions_are_released(cluster, mo
         ray.kill(engine)
 
 
-def test_a_new_engine_starts_from_the_latest_version_not_the_initial_weights(cluster, model, tiny_path):
+def test_a_new_engine_starts_from_the_latest_version_and_follows_a_rollback(cluster, model, tiny_path):
     sync = WeightSync.create("object-store", timeout_s=20)
     publisher = sync.publisher()
     for version in range(3):
@@ -104,6 +104,13 @@ def test_a_new_engine_starts_from_the_latest_version_not_the_initial_weights(clu
     late = Engine.remote(sync, "late", str(tiny_path))
     assert ray.get(late.start.remote()) == 2
     assert ray.get(late.checksum.remote()) == pytest.approx(_checksum(_perturbed(model, 2)), rel=1e-9)
+    # An Actor restarted from its step-1 checkpoint rolls everyone back; newer versions are forgotten.
+    assert publisher.publish(_perturbed(model, 1), 1)["put_s"] >= 0  # not newer: ignored
+    _until([late], 2, timeout=1)
+    publisher.publish(_perturbed(model, 11), 1, rollback=True)
+    _until([late], 1)
+    assert ray.get(late.checksum.remote()) == pytest.approx(_checksum(_perturbed(model, 11)), rel=1e-9)
+    assert sync.status()["held"] == [1]
     ray.kill(late)
 
 
@@ -197,3 +204,9 @@ def test_a_version_loaded_mid_generation_keeps_requests_in_flight(cluster, model
     long = [r for r in results if len(r.response_ids) > 3]
     assert long and all(r.weight_version == 0 and r.extra["last_weight_version"] == 1 for r in long)
     subscriber.close()
+
+
+def test_the_cluster_stays_on_loopback(cluster):
+    """Ray, and the broadcast groups bound to its node address, use 127.0.0.1 only."""
+    assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
+    assert ray.get(ray.remote(num_cpus=0)(lambda: ray.util.get_node_ip_address()).remote()) == "127.0.0.1"
