@@ -220,7 +220,8 @@ class FaultConfig(Section):
     """Fault injection for tests and drills: kill or hang one role's replica after a given step."""
 
     role: str = Field(description="a role of this run: rollout, reward, advantages, reference, ...")
-    at_step: int = Field(ge=1, description="injected once the trainer has finished this step")
+    at_step: int = Field(ge=1, description="the actor fires it right after its own step `at_step`; other "
+                         "roles get it once the driver has seen that step")
     kind: Literal["kill", "hang"] = Field("kill", description="kill: the process exits; hang: its worker "
                                           "loop blocks forever without a heartbeat")
 

@@ -105,12 +105,13 @@ class BusIndex:
             if row_id in self.rows:
                 self.rows[row_id].consumed_by.discard(task)
 
-    def release_held(self, consumer: str, task: str, done_field: str) -> int:
+    def release_held(self, consumer: str, task: str, done_field: str | None) -> int:
         """A replica died: give `task` back the rows it took but did not finish (still lacking
-        `done_field`, its output). Returns how many rows went back."""
+        `done_field`, its output; None: every row it still holds, for a task that clears the rows
+        it finishes). Returns how many rows went back."""
         released = 0
         for row in self.rows.values():
-            if row.held_by.get(task) == consumer and done_field not in row.values:
+            if row.held_by.get(task) == consumer and (done_field is None or done_field not in row.values):
                 row.consumed_by.discard(task)
                 del row.held_by[task]
                 released += 1

@@ -96,7 +96,7 @@ class LocalBus:
         view.consumer = consumer
         return view
 
-    def release_held(self, consumer: str, task: str, done_field: str) -> int:
+    def release_held(self, consumer: str, task: str, done_field: str | None) -> int:
         with self.changed:
             released = self.index.release_held(consumer, task, done_field)
             self.changed.notify_all()

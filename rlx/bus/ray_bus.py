@@ -101,7 +101,7 @@ class BusActor:
         await self._notify()
         return done
 
-    async def release_held(self, consumer: str, task: str, done_field: str) -> int:
+    async def release_held(self, consumer: str, task: str, done_field: str | None) -> int:
         released = self.index.release_held(consumer, task, done_field)
         await self._notify()
         return released
@@ -182,7 +182,7 @@ class Bus:
     def release(self, task: str, row_ids: list[int]) -> None:
         ray.get(self.actor.release.remote(task, row_ids))
 
-    def release_held(self, consumer: str, task: str, done_field: str) -> int:
+    def release_held(self, consumer: str, task: str, done_field: str | None) -> int:
         """Rows a dead replica took for `task` and never finished go back to `task`."""
         return ray.get(self.actor.release_held.remote(consumer, task, done_field))
 

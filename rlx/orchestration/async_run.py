@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import ray
+
 from rlx.config import ConfigError, RunConfig
 from rlx.data import load_splits
 from rlx.engines.generation.base import SamplingParams
@@ -68,6 +70,8 @@ class AsyncRun:
         self.controller = Controller(config, echo)
         self.step = 0
         self.stop_requested = threading.Event()
+        self.rollbacks: list = []  # global recoveries seen so far: (lost version, restored version)
+        self.samples_rolled_back = 0
 
     # -- RunControl ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -91,11 +95,36 @@ class AsyncRun:
     def stop(self) -> None:
         self.stop_requested.set()
 
+    # -- global recovery -------------------------------------------------------------------------
+    def _actor_reports(self) -> list[dict[str, float]]:
+        """The Actor's finished steps; none while it is lost (the HealthManager deals with that)."""
+        try:  # while the Actor is down the call waits for its replacement: not for long
+            return self.controller.call("actor", "call", "take_reported", timeout_s=POLL_S * 5)
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            self.echo(f"actor unreachable ({type(error).__name__}); waiting for the health checks")
+            return []
+
+    def _follow_rollbacks(self) -> None:
+        """A restarted Actor published its checkpoint's weights as a rollback: the steps after the
+        checkpoint are lost (their samples were trained into updates that died with the Actor), so
+        the step count goes back and their prompt groups give their place to new ones."""
+        rollbacks = self.controller.weights.status()["rollbacks"]
+        for lost, restored in rollbacks[len(self.rollbacks):]:
+            steps = max(0, lost - restored)
+            self.controller.prompts.rollback(steps)
+            self.step = restored
+            self.samples_rolled_back += steps * self.config.rollout.prompts_per_step * self.config.rollout.n
+            redo = f"steps {restored + 1}-{lost} are redone" if steps else "no step was lost"
+            message = f"global recovery: the actor restarted from its step-{restored} checkpoint; {redo}"
+            self.echo(message)
+            self.alerts.notify("recovery", message)
+        self.rollbacks = rollbacks
+
     # -- the loop --------------------------------------------------------------------------------
     def run(self, writer: MetricsWriter, started: float, resume: bool) -> None:
         cfg, t, c = self.config, self.config.train, self.controller
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
-        c.start_substrate(checkpoint)
+        c.start_substrate(self.run_dir, checkpoint)
         evaluator = DriverEvaluator(cfg, c.weights)
         if checkpoint is None:
             writer.write(0, evaluator())  # the initial weights, before any role competes for the CPU
@@ -103,31 +132,37 @@ class AsyncRun:
             self.step = json.loads((checkpoint / "trainer_state.json").read_text())["loop_step"]
             self.echo(f"resumed from {checkpoint} at step {self.step}")
         c.deploy()
+        # The Actor restarts from its last checkpoint when lost; a Critic would have to roll back with
+        # it, which async mode does not do yet, so losing either stops a run that has one.
         self.health = HealthManager(c.bus, c.prompts, c.heartbeats, cfg.rollout.n, t.heartbeat_timeout_s,
-                                    t.max_restarts_per_role, t.max_restarts, c.weights)
+                                    t.max_restarts_per_role, t.max_restarts, c.weights,
+                                    global_recovery=frozenset() if cfg.uses_critic else frozenset({"actor"}))
         api = ApiServer(self, self.run_dir).start()
         self.echo(f"management API on {api.url} (token in {self.run_dir / 'api_token'})")
-        pending_faults, critic_steps = list(cfg.faults), []
+        pending_faults, critic_steps = [f for f in cfg.faults if f.role != "actor"], []
+        for fault in cfg.faults:  # the trainer fires these itself, at its own step
+            if fault.role == "actor":
+                c.call("actor", "schedule_fault", fault.kind, fault.at_step)
         try:
             while self.step < t.steps and not self.stop_requested.is_set():
                 time.sleep(POLL_S)
                 for r in self.health.observe():
-                    message = (f"recovered {r.role}: replica {r.replica} is gone; {r.rows_released} rows back on "
-                               f"the bus, {r.groups_requeued} prompt groups handed out again")
+                    restart = "restarts from the last checkpoint" if r.scope == "global" else "is replaced"
+                    message = (f"recovered {r.role}: replica {r.replica} is gone and {restart}; {r.rows_released} "
+                               f"rows back on the bus, {r.groups_requeued} prompt groups handed out again")
                     self.echo(message)
                     self.alerts.notify("recovery", message)
+                self._follow_rollbacks()
                 if "critic" in c.handles:
                     critic_steps.extend(c.call("critic", "call", "take_reported"))
-                for metrics in c.call("actor", "call", "take_reported"):
-                    self.step += 1
+                for metrics in self._actor_reports():
+                    self.step = int(metrics.pop("trainer_step"))
                     metrics.update(critic_steps.pop(0) if critic_steps else {})
                     metrics.update(self.health.busy(), wall_time_s=time.perf_counter() - started,
                                    recoveries=float(len(self.health.recoveries)))
                     if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                         metrics.update(evaluator())
                     writer.write(self.step, metrics)
-                    if t.checkpoint_every and self.step % t.checkpoint_every == 0:
-                        self.checkpoint()
                 for fault in [f for f in pending_faults if f.at_step <= self.step]:
                     pending_faults.remove(fault)
                     self.echo(f"injecting fault: {fault.kind} {fault.role} after step {self.step}")
@@ -141,7 +176,7 @@ class AsyncRun:
             self.checkpoint()
             (self.run_dir / "health.json").write_text(json.dumps(
                 {"recoveries": self.health.report(), "prompts": c.prompts.state(), "bus": c.bus.metrics(),
-                 "weights": c.weights.status()}, indent=2))
+                 "weights": c.weights.status(), "samples_rolled_back": self.samples_rolled_back}, indent=2))
             final = evaluator()
             final["wall_time_s"] = time.perf_counter() - started
             writer.write(self.step, final)

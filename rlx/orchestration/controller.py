@@ -62,7 +62,7 @@ class Controller:
         self.rollout_replicas = 1
         self.started_ray = False
 
-    def start_substrate(self, resume_from: Path | None = None) -> None:
+    def start_substrate(self, run_dir: Path, resume_from: Path | None = None) -> None:
         """`resume_from`: a checkpoint whose bus and prompt-source state the run continues from."""
         cfg = self.config
         self.started_ray = not ray.is_initialized()
@@ -77,7 +77,7 @@ class Controller:
         beats = RemoteHeartbeats.remote()
         self.heartbeats = HeartbeatsClient(beats)
         self.shared = Shared(self.bus, self.weights, self.prompts, beats,
-                             str(resume_from) if resume_from is not None else None)
+                             str(run_dir))
         if resume_from is not None:
             self._restore(pickle.loads((resume_from / "run_state.pkl").read_bytes()))
 
@@ -88,7 +88,8 @@ class Controller:
         made = bus.get("rows_per_group", {})
         redo = [g for g in prompts["unfinished"] if made.get(g, 0) < self.config.rollout.n]
         self.bus.restore(BusIndex.resumable(bus, redo, TASK_OUTPUTS))
-        self.prompts.resume({"position": prompts["position"], "unfinished": redo})
+        self.prompts.resume({"position": prompts["position"], "unfinished": redo,
+                             "rolled_back": prompts.get("rolled_back", 0)})
 
     def _target(self, role: str, replicas: int = 1) -> serve.RunTarget:
         cfg, res = self.config, getattr(self.config.resources, role)

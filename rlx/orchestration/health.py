@@ -25,17 +25,20 @@ if TYPE_CHECKING:
     from rlx.weights import WeightSync
 
 STATEFUL_ROLES = frozenset({"actor", "critic"})
-# role -> (bus task it takes rows for, the field it writes when done with a row)
-UNFINISHED_WORK = {
+# role -> (bus task it takes rows for, the field it writes when done with a row; None: the role
+# clears the rows it is done with, so every row it still holds is unfinished)
+UNFINISHED_WORK: dict[str, tuple[str, str | None]] = {
     "reward": ("reward", "reward"),
     "genrm": ("reward", "reward"),
     "advantages": ("advantages", "advantage"),
     "reference": ("reference", "ref_logprobs"),
     "actor_fwd": ("actor_fwd", "old_logprobs"),
     "teacher": ("teacher", "teacher_logprobs"),
+    "actor": ("train", None),
 }
 
-TASK_OUTPUTS = {task: field for task, field in UNFINISHED_WORK.values()}  # bus task -> the field it writes
+# bus task -> the field it writes
+TASK_OUTPUTS = {task: field for task, field in UNFINISHED_WORK.values() if field is not None}
 
 
 class RoleFailed(RuntimeError):
@@ -51,15 +54,20 @@ class Recovery:
     detected_after_s: float | None  # from the injected fault (if any) to the death being noticed
     replaced_after_s: float | None = None  # from the fault (or the last beat) to a new replica's first beat
     died_at: float = 0.0  # monotonic: the injected fault, or the dead replica's last beat
+    scope: str = "in place"  # "global": a stateful role restarted from the last checkpoint
     weights_at_death: int | None = None  # the latest published weight version when the death was noticed
     replacement_weight_version: int | None = None  # what the new replica generated with at its first beat
 
 
 class HealthManager:
     def __init__(self, bus, prompts, heartbeats, group_size: int, dead_after_s: float,
-                 max_restarts_per_role: int, max_restarts: int, weights: WeightSync | None = None) -> None:
+                 max_restarts_per_role: int, max_restarts: int, weights: WeightSync | None = None,
+                 global_recovery: frozenset[str] = frozenset()) -> None:
+        """`global_recovery`: stateful roles whose loss restarts them from the last checkpoint
+        instead of stopping the run."""
         self.bus, self.prompts, self.heartbeats, self.group_size = bus, prompts, heartbeats, group_size
         self.weights = weights  # a gone replica must hold no weight version back
+        self.global_recovery = global_recovery
         self.dead_after_s = dead_after_s
         self.max_restarts_per_role, self.max_restarts = max_restarts_per_role, max_restarts
         # replica -> (role, monotonic time of its first beat, the weight version it first reported)
@@ -92,7 +100,7 @@ class HealthManager:
         return found
 
     def _recover(self, role: str, replica: str, status: dict[str, Any], last_beat: float) -> Recovery:
-        if role in STATEFUL_ROLES:
+        if role in STATEFUL_ROLES and role not in self.global_recovery:
             raise RoleFailed(f"role {role!r} lost its replica {replica} (silent for more than {self.dead_after_s:.0f}s);"
                              " it holds the optimizer state, so the run stops here: continue with "
                              "`rlx train <config> --resume`")
@@ -111,7 +119,8 @@ class HealthManager:
         injected = self.faults_at.pop(role, None)
         recovery = Recovery(role, replica, released, requeued,
                             None if injected is None else time.monotonic() - injected,
-                            died_at=last_beat if injected is None else injected, weights_at_death=weights_now)
+                            died_at=last_beat if injected is None else injected,
+                            scope="global" if role in STATEFUL_ROLES else "in place", weights_at_death=weights_now)
         self.recoveries.append(recovery)
         return recovery
 
@@ -131,7 +140,7 @@ class HealthManager:
             requeued = self.bus.abandon_incomplete_groups(self.prompts.held_by(replica), self.group_size)
             self.prompts.requeue(replica, requeued)
             return 0, len(requeued)
-        if role not in UNFINISHED_WORK:  # stateful roles keep their work in checkpoints
+        if role not in UNFINISHED_WORK:  # the critic keeps its work in checkpoints
             return 0, 0
         task, done_field = UNFINISHED_WORK[role]
         return self.bus.release_held(replica, task, done_field), 0

@@ -34,11 +34,13 @@ class PromptSource:
         """Up to `count` groups for `consumer`: returned groups first, then new ones as far as the
         staleness gate allows at trainer `version` (None: no gate, colocated mode).
 
-        `dropped` groups (dynamic sampling) give their place in the budget to new ones."""
+        `dropped` groups (dynamic sampling) and groups whose training was rolled back give their
+        place in the budget to new ones."""
         out = [self.retry.popleft() for _ in range(min(count, len(self.retry)))]
         fresh = count - len(out)
         if version is not None:
-            fresh = min(fresh, self.gate.groups_allowed(self.stream.position - dropped, version))
+            started = self.stream.position - dropped - self.stats["groups_rolled_back"]
+            fresh = min(fresh, self.gate.groups_allowed(started, version))
         out += self.stream.take(max(0, fresh))
         self.held.setdefault(consumer, {}).update(out)
         self.stats["groups_issued"] += len(out)
@@ -53,6 +55,11 @@ class PromptSource:
     def held_by(self, consumer: str) -> list[int]:
         return sorted(self.held.get(consumer, {}))
 
+    def rollback(self, steps: int) -> None:
+        """The Actor was restored `steps` steps back: the groups those steps trained on are gone
+        with its lost updates, so as many new groups may start without breaking the gate."""
+        self.stats["groups_rolled_back"] += steps * self.gate.groups_per_step
+
     def requeue(self, consumer: str, group_ids: list[int]) -> None:
         """A replica died: of its groups, `group_ids` are handed out again (first); the others were
         complete after all (the 'finished' note died with the replica)."""
@@ -64,11 +71,13 @@ class PromptSource:
     def resume_state(self) -> dict[str, object]:
         """What a restarted run needs: the position, and every group handed out but not finished."""
         unfinished = sorted({g for groups in self.held.values() for g in groups} | {g for g, _ in self.retry})
-        return {"position": self.stream.position, "unfinished": unfinished}
+        return {"position": self.stream.position, "unfinished": unfinished,
+                "rolled_back": self.stats["groups_rolled_back"]}
 
     def resume(self, state: dict) -> None:
         """Continue from `resume_state()`: unfinished groups are handed out again, first."""
         self.stream.position = state["position"]
+        self.stats["groups_rolled_back"] = state.get("rolled_back", 0)
         self.retry = deque((g, self.stream.row_at(g)) for g in state["unfinished"])
         self.held = {}
 
@@ -98,6 +107,9 @@ class PromptSourceClient:
 
     def requeue(self, consumer: str, group_ids: list[int]) -> None:
         ray.get(self.actor.requeue.remote(consumer, group_ids))
+
+    def rollback(self, steps: int) -> None:
+        ray.get(self.actor.rollback.remote(steps))
 
     def state(self) -> dict[str, int]:
         return ray.get(self.actor.state.remote())

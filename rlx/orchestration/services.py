@@ -46,6 +46,7 @@ from rlx.orchestration.builder import (
     teacher_worker,
 )
 from rlx.orchestration.prompt_source import PromptSourceClient
+from rlx.orchestration.run_dir import latest_checkpoint
 from rlx.orchestration.workers import Worker
 from rlx.weights.sync import WeightSync
 
@@ -59,7 +60,7 @@ class Shared:
     weights: WeightSync
     prompts: PromptSourceClient
     heartbeats: Any
-    resume_from: str | None = None  # the checkpoint a resumed run's Actor starts from
+    run_dir: str | None = None  # the Actor starts from its newest checkpoint, if there is one
 
 
 def _subscribe(worker_of: Callable[[Callable[[], None]], Worker], shared: Shared, load) -> Worker:
@@ -85,10 +86,14 @@ def _actor(cfg: RunConfig, shared: Shared) -> Worker:
                           max_staleness=cfg.train.max_staleness, with_actor_fwd=uses_actor_fwd(cfg),
                           max_steps=cfg.train.steps)
     worker.capture = lambda: {"bus": shared.bus.snapshot(), "prompts": shared.prompts.resume_state()}
-    if shared.resume_from:
-        actor.engine.load_checkpoint(Path(shared.resume_from))
-        worker.restore(pickle.loads((Path(shared.resume_from) / "run_state.pkl").read_bytes()))
-    publisher.publish(actor.weights(), actor.version)  # what every engine starts from
+    worker.checkpoint_every, worker.run_dir = cfg.train.checkpoint_every, shared.run_dir
+    # A resumed run, or a global recovery after the Actor was lost mid-run, starts from the newest
+    # checkpoint; the rollback publish makes every engine drop weights newer than it.
+    checkpoint = latest_checkpoint(Path(shared.run_dir)) if shared.run_dir else None
+    if checkpoint is not None:
+        actor.engine.load_checkpoint(checkpoint)
+        worker.restore(pickle.loads((checkpoint / "run_state.pkl").read_bytes()))
+    publisher.publish(actor.weights(), actor.version, rollback=True)
     return worker
 
 
@@ -141,7 +146,7 @@ class RoleService:
         self.consumer = f"{role}-{replica_id()}"
         self.heartbeats = shared.heartbeats
         shared = Shared(shared.bus.for_consumer(self.consumer), shared.weights, shared.prompts, shared.heartbeats,
-                        shared.resume_from)
+                        shared.run_dir)
         self.worker = SERVICE_BUILDERS[role](cfg, shared)
         self.worker.run_forever()
         self.stopped = threading.Event()
@@ -173,6 +178,10 @@ class RoleService:
     def call(self, method: str, *args: Any) -> Any:
         """Run a role-specific method of the worker (e.g. the actor's checkpoint)."""
         return getattr(self.worker, method)(*args)
+
+    def schedule_fault(self, kind: str, at_step: int) -> None:
+        """Fault injection at the trainer's own step (the Actor): exact, where the driver's view lags."""
+        self.worker.fault_at = (at_step, lambda: self.inject_fault(kind))
 
     def inject_fault(self, kind: str) -> None:
         """Fault injection (`faults` in the config): die a moment after answering, or hang."""

@@ -382,6 +382,9 @@ class ActorWorker(Worker):
         self.capture: Callable[[], dict[str, Any]] | None = None  # run state saved with each checkpoint
         self.unreported: list[dict[str, float]] = []
         self.lock = threading.Lock()  # a checkpoint never sees half a step
+        # async mode: the trainer checkpoints itself every `checkpoint_every` of its own steps
+        self.checkpoint_every, self.run_dir = 0, None
+        self.fault_at: tuple[int, Callable[[], None]] | None = None  # fault injection at a trainer step
 
     def _loader(self, rows: int | None) -> StreamingDataLoader:
         dynamic = rows is None and self.dynamic_max_rows is not None
@@ -410,11 +413,13 @@ class ActorWorker(Worker):
             if trainable:
                 self._timed(lambda: self.role.accumulate(trainable))
                 trained += len(trainable)
-            self.bus.clear_consumed(self.final_tasks)
         metrics = self._timed(self.role.finish_step)
         publish_started = time.monotonic()
         self._timed(self.publish)
         metrics["time_publish_s"] = time.monotonic() - publish_started
+        # Rows leave the bus only once their step is done: an Actor lost mid-step hands them back.
+        self.bus.clear_consumed(self.final_tasks)
+        metrics["trainer_step"] = float(self.role.version)  # the driver's step count follows the trainer's
         metrics.update(batch_metrics(seen, version), trained_samples=float(trained),
                        **{f"filtered_{reason}": float(count) for reason, count in filtered.items()})
         self.samples_per_group.update(s.group_id for s in seen)
@@ -435,6 +440,12 @@ class ActorWorker(Worker):
                 if self._stop.is_set():  # asked to stop mid-step: the unfinished step is dropped
                     return 0
                 raise
+        step = self.role.version
+        if self.checkpoint_every and self.run_dir and step % self.checkpoint_every == 0:
+            self._timed(lambda: self.save_checkpoint(self.run_dir, {}))
+        if self.fault_at is not None and step >= self.fault_at[0]:
+            self.fault_at, fire = None, self.fault_at[1]
+            fire()
         return self.rows_per_step
 
     def take_reported(self) -> list[dict[str, float]]:

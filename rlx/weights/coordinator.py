@@ -68,6 +68,7 @@ class WeightCoordinator:
         self._members: tuple[str, ...] = ()
         self._changed = asyncio.Condition()
         self.released = 0
+        self.rollbacks: list[tuple[int, int]] = []  # (latest version lost, version restored)
 
     # publishers
     async def publish(self, version: int, layout: list[Bucket], refs: list, broadcast: dict | None = None,
@@ -77,6 +78,8 @@ class WeightCoordinator:
         if version <= self.latest and not rollback:
             return {"accepted": False, "latest": self.latest}
         if rollback:  # the versions after the checkpoint belong to a lost Actor: nobody may load them now
+            if self.latest >= 0:
+                self.rollbacks.append((self.latest, version))
             self.versions.clear()
             for subscriber in self.subscribers.values():
                 subscriber.version = -1
@@ -153,6 +156,7 @@ class WeightCoordinator:
             "held": sorted(self.versions),
             "released": self.released,
             "epoch": self.epoch,
+            "rollbacks": list(self.rollbacks),
             "subscribers": {s.name: {"version": s.version, "alive": s.alive, "channel": s.channel}
                             for s in self.subscribers.values()},
         }

@@ -9,6 +9,12 @@ def count_a(completion: str, label: str, metadata: dict) -> float:
     return completion.count(label) / max(1, len(completion))
 
 
+def paced_count_a(completion: str, label: str, metadata: dict) -> float:
+    """`count_a`, a second later: paces a toy run to about 2 s a step, so the driver (which polls
+    every 2 s) sees each step while it happens and can inject a fault at a given step."""
+    time.sleep(1.0)
+    return count_a(completion, label, metadata)
+
 
 def varied_on_even_prompts(completion: str, label: str, metadata: dict) -> float:
     """A score that differs between distinct completions on even-numbered prompts, and 0 for every

@@ -43,3 +43,31 @@ def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
     rollout = recovered["rollout"]
     assert rollout["weights_at_death"] > 0
     assert rollout["replacement_weight_version"] >= rollout["weights_at_death"], rollout
+
+
+def test_a_lost_actor_restarts_from_its_checkpoint_and_the_bus_keeps_its_samples(tiny_path, tmp_path):
+    """Global recovery: the Actor (stateful) is killed mid-run; its replacement loads the newest
+    checkpoint, every engine rolls back to those weights, and the run redoes the lost steps with
+    the samples already on the bus (those within max_staleness) and new ones."""
+    config = toy_config(tiny_path, tmp_path, train__steps=12, train__mode="async", train__max_staleness=1,
+                        rollout__prompts_per_step=2, train__checkpoint_every=4, train__step_timeout_s=300,
+                        train__heartbeat_timeout_s=10, reward__name="tests.integration.toy_task:paced_count_a")
+    config.faults = [FaultConfig(role="actor", at_step=6, kind="kill")]
+    run_dir = run_async(config, echo=print)
+
+    health = json.loads((run_dir / "health.json").read_text())
+    (actor,) = [r for r in health["recoveries"] if r["role"] == "actor"]
+    assert actor["scope"] == "global" and actor["replaced_after_s"] is not None
+    print(f"actor: back {actor['replaced_after_s']:.1f}s after its last heartbeat")
+    # killed right after its step 6, the trainer restarts from its own step-4 checkpoint
+    assert health["weights"]["rollbacks"] == [[6, 4]]
+    lost, restored = 6, 4
+    assert health["samples_rolled_back"] == (lost - restored) * 16
+
+    records = [r for r in read_metrics(run_dir) if "trained_samples" in r]
+    steps = [r["step"] for r in records]
+    assert steps[-1] == 12  # the run completed
+    assert steps[-8:] == list(range(5, 13)), steps  # the new trainer reported steps 5 to 12
+    for r in records:  # every step, redone ones included, accounts for all its rows
+        assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
+    assert records[-1]["total_samples_duplicated"] == 0
