@@ -124,7 +124,7 @@ class WeightCoordinator:
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.serial > than_serial), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
         self._seen(name)
         record = self.versions[self.latest]

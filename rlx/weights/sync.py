@@ -22,15 +22,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import ray
 import torch
 
-
 from rlx.weights.broadcast import BroadcastGroup, join_store, serve_store
-from rlx.weights.buckets import Bucket, flat_size, from_arrays, pack_flat, plan_buckets, to_arrays, unpack_flat
+from rlx.weights.buckets import (
+    Bucket,
+    flat_size,
+    from_arrays,
+    pack_flat,
+    plan_buckets,
+    to_arrays,
+    unpack_flat,
+)
 from rlx.weights.coordinator import WeightCoordinator
 
 log = logging.getLogger(__name__)

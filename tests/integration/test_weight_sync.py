@@ -151,9 +151,8 @@ def _hf_engine(tiny_path):
 
 @pytest.mark.parametrize("channel", ["object-store", "gloo"])
 def test_engine_and_actor_agree_on_logprobs_after_a_sync(cluster, model, tiny_path, channel):
-    from tests.integration.test_generation_vs_training import PROMPTS, _max_logprob_gap, _requests
-
     from rlx.engines.generation import SamplingParams
+    from tests.integration.test_generation_vs_training import PROMPTS, _max_logprob_gap, _requests
 
     sync = WeightSync.create(channel, bucket_mb=0.05, timeout_s=20)
     publisher = sync.publisher()
@@ -176,9 +175,8 @@ def test_engine_and_actor_agree_on_logprobs_after_a_sync(cluster, model, tiny_pa
 
 
 def test_a_version_loaded_mid_generation_keeps_requests_in_flight(cluster, model, tiny_path):
-    from tests.integration.test_generation_vs_training import _requests
-
     from rlx.engines.generation import SamplingParams
+    from tests.integration.test_generation_vs_training import _requests
 
     sync = WeightSync.create("object-store", timeout_s=20)
     publisher = sync.publisher()
