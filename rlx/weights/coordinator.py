@@ -122,10 +122,13 @@ class WeightCoordinator:
         """The latest version if published after `than_serial`, waiting up to `timeout_s` for one."""
         self._seen(name)
         async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.serial > than_serial), timeout_s)
-            except TimeoutError:
-                return None
+            if self.serial <= than_serial:
+                if timeout_s <= 0:  # asyncio.wait_for(..., 0) would give up before even looking
+                    return None
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self.serial > than_serial), timeout_s)
+                except TimeoutError:
+                    return None
         self._seen(name)
         record = self.versions[self.latest]
         return {"version": record.version, "serial": record.serial, "layout": record.layout, "refs": record.refs,

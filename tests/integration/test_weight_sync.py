@@ -114,6 +114,20 @@ def test_a_new_engine_starts_from_the_latest_version_and_follows_a_rollback(clus
     ray.kill(late)
 
 
+def test_a_reader_pulls_each_new_version_without_waiting(cluster, model):
+    from rlx.weights import WeightReader
+
+    sync = WeightSync.create("object-store", timeout_s=20)
+    publisher, reader, loaded = sync.publisher(), WeightReader(sync), []
+    assert not reader.pull(lambda state, version: loaded.append(version))  # nothing published yet
+    publisher.publish(model.state_dict(), 0)
+    assert reader.pull(lambda state, version: loaded.append(version))
+    publisher.publish(_perturbed(model, 1), 1)
+    assert reader.pull(lambda state, version: loaded.append(version))
+    assert not reader.pull(lambda state, version: loaded.append(version))  # nothing new
+    assert loaded == [0, 1]
+
+
 def test_an_engine_waits_for_a_first_version_and_says_why_it_gave_up(cluster, tiny_path):
     sync = WeightSync.create("object-store", timeout_s=1)
     engine = Engine.remote(sync, "early", str(tiny_path))

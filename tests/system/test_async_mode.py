@@ -24,6 +24,7 @@ def test_async_run_trains_within_staleness_and_leaves_no_processes(tiny_path, tm
         assert all(int(k.split("_")[1]) <= 1 for k in r if k.startswith("staleness_") and k != "staleness_mean")
         assert 0 < r["busy_actor"] <= 1 and 0 < r["busy_rollout"] <= 1
     assert "eval_accuracy" in records[0] and "eval_accuracy" in records[-1]
+    assert records[-1]["eval_weight_version"] == 6  # the driver evaluated the trained weights
     assert (run_dir / "checkpoints" / "step_000006" / "model.safetensors").exists()
     leftover = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE]
