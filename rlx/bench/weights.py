@@ -1,9 +1,10 @@
 """Weight sync (DCS): publish SmolLM2-135M's fp32 weights to 1 and 2 engines over each channel,
 next to one in-memory copy of the same tensors (the physical bound on one machine).
 
-publish-to-loaded runs from the call to `publish` until every subscriber has copied the version
-into its own model (its ack reached the coordinator). Subscribers apply a received version within
-a millisecond, as an engine does between decode steps.
+publish-to-loaded runs from the call to `publish` until every subscriber's `hf` engine holds the
+version (its ack reached the coordinator). Subscribers apply a received version within a
+millisecond, as an engine does between decode steps. Engines take the object-store snapshot as
+their weights without a copy (`shared=True`, as Rollout replicas do).
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ MODEL = "smollm2-135m-instruct"
 
 @ray.remote(num_cpus=0.1)
 class _Engine:
+    """An `hf` generation engine subscribed the way a Rollout replica is."""
+
     def __init__(self, sync: WeightSync, name: str, path: str) -> None:
-        from rlx.models import load_pretrained
+        from pathlib import Path
+
+        from rlx.engines.generation import EngineSpec, build_generation_engine
 
         torch.set_num_threads(1)
-        self.model = load_pretrained(path)[0]
-        self.subscriber = sync.subscriber(name, lambda state, version: self.model.load_state_dict(state))
+        engine = build_generation_engine("hf", EngineSpec(Path(path)))[0]
+        self.subscriber = sync.subscriber(name, lambda state, version: engine.load_weights(state, version, shared=True))
         self.stopped = threading.Event()
 
     def start(self) -> int:

@@ -76,8 +76,10 @@ def _subscribe(worker_of: Callable[[Callable[[], None]], Worker], shared: Shared
 
 def _rollout(cfg: RunConfig, shared: Shared) -> Worker:
     rollout = build_rollout(cfg, model_path(cfg))
+    # DCS hands over read-only object-store snapshots: the engine may keep them instead of copying
     return _subscribe(lambda sync: rollout_worker(cfg, rollout, shared.bus, shared.prompts, sync,
-                                                  consumer=shared.bus.consumer), shared, rollout.load_weights)
+                                                  consumer=shared.bus.consumer), shared,
+                      lambda state, version: rollout.load_weights(state, version, shared=True))
 
 
 def _actor(cfg: RunConfig, shared: Shared) -> Worker:

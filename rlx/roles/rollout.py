@@ -64,5 +64,5 @@ class Rollout:
                 metadata=row.metadata,
             )
 
-    def load_weights(self, state_dict, version: int) -> None:
-        self.engine.load_weights(state_dict, version)
+    def load_weights(self, state_dict, version: int, shared: bool = False) -> None:
+        self.engine.load_weights(state_dict, version, shared)

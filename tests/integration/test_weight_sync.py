@@ -172,7 +172,14 @@ def test_engine_and_actor_agree_on_logprobs_after_a_sync(cluster, model, tiny_pa
     publisher = sync.publisher()
     publisher.publish(model.state_dict(), 0)
     engine, tokenizer = _hf_engine(tiny_path)
-    subscriber = sync.subscriber("hf", engine.load_weights)
+    # object-store: the engine keeps the read-only snapshot as its weights (no copy), as Rollouts do
+    shared, received = channel == "object-store", {}
+
+    def load(state, version):
+        received.update(state)
+        engine.load_weights(state, version, shared=shared)
+
+    subscriber = sync.subscriber("hf", load)
     subscriber.start()
     trained = load_pretrained(tiny_path)[0]
     trained.load_state_dict(_perturbed(model, 7))
@@ -181,6 +188,8 @@ def test_engine_and_actor_agree_on_logprobs_after_a_sync(cluster, model, tiny_pa
     while not subscriber.apply() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.weight_version == 1
+    embed = engine.model.get_input_embeddings().weight
+    assert (embed.data_ptr() == received["model.embed_tokens.weight"].data_ptr()) == shared  # zero-copy or copied
     results = engine.generate(_requests(tokenizer, PROMPTS * 2), SamplingParams(temperature=0.8, max_new_tokens=16, seed=4))
     gap = _max_logprob_gap(trained, tokenizer, results, 0.8)
     print(f"{channel}: max |engine - actor| log-prob after sync = {gap:.2e}")

@@ -45,8 +45,10 @@ class GenerationEngine(Protocol):
     def stream(self, requests: list[GenerationRequest], params: SamplingParams) -> Iterator[GenerationResult]:
         """Yield each result as soon as its sequence finishes."""
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Replace the weights in place and record their version."""
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, shared: bool = False) -> None:
+        """Replace the weights in place and record their version. `shared`: the tensors are an
+        immutable snapshot (DCS's read-only object-store views) that the engine may keep as its
+        weights instead of copying them."""
 
 
 class StreamingEngine:

@@ -138,11 +138,19 @@ class HFGenerationEngine(StreamingEngine):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Safe between decode steps: rows in flight keep their cache and continue on the new weights."""
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, shared: bool = False) -> None:
+        """Safe between decode steps: rows in flight keep their cache and continue on the new weights.
+
+        `shared` snapshots whose dtypes and devices match the model's become its weights as they
+        are (no copy; inference never writes them); anything else is copied in."""
         with torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=True)
+            self.model.load_state_dict(state_dict, strict=True, assign=shared and self._matches(state_dict))
         self.weight_version = version
+
+    def _matches(self, state_dict: dict[str, torch.Tensor]) -> bool:
+        own = self.model.state_dict()
+        return all(name in own and t.dtype == own[name].dtype and t.device == own[name].device
+                   for name, t in state_dict.items())
 
     def stream(
         self,

@@ -297,11 +297,12 @@ class SGLangEngine(StreamingEngine):
         version = self.weight_version
         return result_from_response(request, self._call("POST", "/generate", generate_body(request, params)), version)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, shared: bool = False) -> None:
         """Pause, update (by broadcast once `init_weights_update_group` ran, else over HTTP), flush
         the prefix cache (it holds KV computed by the old weights), continue. The pause mode is
         `retract`: requests in flight go back to the queue and resume on the new weights, where
-        `abort` would end them and `in_place` would make `/flush_cache` refuse."""
+        `abort` would end them and `in_place` would make `/flush_cache` refuse. The bytes travel
+        to the server either way, so `shared` changes nothing."""
         self._call("POST", "/pause_generation", {"mode": "retract"})
         try:
             if self._group is not None:

@@ -123,10 +123,11 @@ class VLLMGenerationEngine(StreamingEngine):
         self.engine.engine_core.shutdown()
         cleanup_dist_env_and_memory()
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, shared: bool = False) -> None:
         """Load between engine steps (pause, load, resume): sequences in flight keep their KV cache
         and continue on the new weights; `version` is stamped on every request admitted after.
 
+        vLLM always copies into its own (fused) parameters, so `shared` changes nothing.
         `state_dict` is the whole model under its Hugging Face names (as `hf` requires too): vLLM
         fuses q/k/v and gate/up into one tensor, and a layer given only some parts is left broken."""
         with self._lock:
