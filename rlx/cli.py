@@ -121,6 +121,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         table = format_table(run_bus_benchmark(repeats=args.repeats))
         command = f"rlx bench bus --repeats {args.repeats}"
+    elif args.what == "engines":
+        from rlx.bench.engines import format_table, run_engines_benchmark
+
+        table = format_table(run_engines_benchmark())
+        command = "rlx bench engines"
     elif args.what == "weights":
         from rlx.bench.weights import format_table, run_weights_benchmark
 
@@ -178,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side; results go to docs/benchmarks.md")
-    bench.add_argument("what", choices=["pipeline", "bus", "weights", "algorithms"])
+    bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms"])
     bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline)")
     bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus, weights)")
     bench.add_argument("--work-dir", default="runs/bench", help="scratch folder for runs and models")
