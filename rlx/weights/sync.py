@@ -175,7 +175,7 @@ class WeightSubscriber:
     """An engine's end. `start` blocks until the engine holds the latest version; after that a
     thread receives newer versions and `apply` (called between decode steps) loads the newest."""
 
-    poll_s = 5.0  # a long poll also tells the coordinator this subscriber is alive
+    poll_s = 1.0  # a long poll also tells the coordinator this subscriber is alive
 
     def __init__(self, sync: WeightSync, name: str, load: Loader) -> None:
         self.sync, self.name, self.load = sync, name, load
@@ -219,7 +219,11 @@ class WeightSubscriber:
         return True
 
     def close(self) -> None:
+        """Stop receiving and wait for the thread: one left inside a Ray call while its process
+        shuts Ray down (or starts a new cluster) takes the whole process with it."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.poll_s + 10)
         try:
             self.sync.coordinator.unregister.remote(self.name)
         except Exception:  # the cluster may be going down with us
