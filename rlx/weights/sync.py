@@ -48,7 +48,7 @@ Loader = Callable[[StateDict, int], None]
 
 
 class WeightSyncTimeout(TimeoutError):
-    pass
+    """No weight version arrived in time; the message says what waited and which setting to raise."""
 
 
 @dataclass(frozen=True)
@@ -226,8 +226,8 @@ class WeightSubscriber:
             self._thread.join(timeout=self.poll_s + 10)
         try:
             self.sync.coordinator.unregister.remote(self.name)
-        except Exception:  # the cluster may be going down with us
-            pass
+        except Exception as error:  # the cluster may be going down with us; the coordinator then goes too
+            log.debug("weight subscriber %s could not unregister: %s", self.name, error)
 
     def _receive_forever(self) -> None:
         received = self._serial

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
@@ -51,11 +52,12 @@ class GenerationEngine(Protocol):
         weights instead of copying them."""
 
 
-class StreamingEngine:
+class StreamingEngine(abc.ABC):
     """`generate` for every engine that implements `stream`."""
 
+    @abc.abstractmethod
     def stream(self, requests: list[GenerationRequest], params: SamplingParams) -> Iterator[GenerationResult]:
-        raise NotImplementedError
+        """Yield each result as soon as its sequence finishes."""
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationResult]:
         """All results, in request order."""
