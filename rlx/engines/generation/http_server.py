@@ -100,7 +100,8 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 class _Stopping(Exception):
-    """Raised between decode steps once the server stops: every request in flight fails with it rather than hang."""
+    """Raised between decode steps once the server stops: every request in flight fails with it
+    rather than hang."""
 
 
 @dataclass
