@@ -42,28 +42,43 @@ class BusIndex:
         self.next_row_id = 0
         self.stats: Counter = Counter()
         self.rows_per_group: Counter = Counter()  # rows ever added, per group
+        # per task seen so far: the rows it has not consumed, so a take never scans consumed rows
+        self.open: dict[str, dict[int, None]] = {}
 
     # -- writing ---------------------------------------------------------------------------------
-    def add_rows(self, values: dict[str, list[Any]], group_ids: list[int], num_tokens: list[int]) -> list[int]:
-        """New rows with their first fields; raises BusFull if they do not fit."""
+    def reserve(self, count: int) -> int:
+        """Set aside `count` row ids for a client that names its rows itself (so its puts need no
+        reply); returns the first."""
+        first = self.next_row_id
+        self.next_row_id += count
+        return first
+
+    def add_rows(self, values: dict[str, list[Any]], group_ids: list[int], num_tokens: list[int],
+                 row_ids: list[int] | None = None) -> list[int]:
+        """New rows with their first fields, under fresh ids or under `row_ids` from `reserve`;
+        raises BusFull if they do not fit."""
         count = len(group_ids)
-        _check_columns(values, count)
+        check_columns(values, count)
         if len(num_tokens) != count:
             raise ValueError(f"num_tokens has {len(num_tokens)} entries for {count} rows")
         if len(self.rows) + count > self.capacity:
             raise BusFull(f"bus holds {len(self.rows)} of {self.capacity} rows; {count} more do not fit")
-        row_ids = list(range(self.next_row_id, self.next_row_id + count))
-        self.next_row_id += count
+        if row_ids is None:
+            row_ids = list(range(self.reserve(count), self.next_row_id))
+        elif len(row_ids) != count or any(r in self.rows or not 0 <= r < self.next_row_id for r in row_ids):
+            raise ValueError(f"row ids {row_ids[:5]}... were not reserved, are in use, or are not one per row")
         for i, row_id in enumerate(row_ids):
             self.rows[row_id] = Row(row_id, group_ids[i], num_tokens[i], {k: v[i] for k, v in values.items()})
             self.rows_per_group[group_ids[i]] += 1
+            for unconsumed in self.open.values():
+                unconsumed[row_id] = None
         self.stats["rows_added"] += count
         return row_ids
 
     def add_fields(self, row_ids: list[int], values: dict[str, list[Any]]) -> None:
         """Add (or overwrite) fields of existing rows. Rows cleared meanwhile (their group was given
         up after a producer died) are skipped and counted: the late result has nowhere to go."""
-        _check_columns(values, len(row_ids))
+        check_columns(values, len(row_ids))
         if any(r >= self.next_row_id or r < 0 for r in row_ids):
             raise KeyError(f"rows {[r for r in row_ids if r >= self.next_row_id or r < 0][:5]} were never added")
         for i, row_id in enumerate(row_ids):
@@ -73,13 +88,16 @@ class BusIndex:
                 self.stats["fields_for_cleared_rows"] += 1
 
     # -- reading ---------------------------------------------------------------------------------
+    def _unconsumed(self, task: str) -> dict[int, None]:
+        if task not in self.open:
+            self.open[task] = {r.row_id: None for r in self.rows.values() if task not in r.consumed_by}
+        return self.open[task]
+
     def ready(self, task: str, fields: list[str]) -> list[Candidate]:
         """Rows that have every field in `fields` and that `task` has not consumed, oldest first."""
-        return [
-            Candidate(r.row_id, r.group_id, r.num_tokens)
-            for r in self.rows.values()
-            if task not in r.consumed_by and all(f in r.values for f in fields)
-        ]
+        ready = [self.rows[r] for r in self._unconsumed(task)
+                 if all(f in self.rows[r].values for f in fields)]
+        return [Candidate(r.row_id, r.group_id, r.num_tokens) for r in sorted(ready, key=lambda r: r.created_at)]
 
     def take(
         self, task: str, fields: list[str], batch_size: int, sampler: Sampler | None = None, partial: bool = False,
@@ -89,8 +107,10 @@ class BusIndex:
 
         `consumer` (a replica id) is remembered, so the rows can go back if that replica dies."""
         chosen = (sampler or SequentialSampler()).select(self.ready(task, fields), batch_size, partial)
+        unconsumed = self._unconsumed(task)
         for row_id in chosen:
             self.rows[row_id].consumed_by.add(task)
+            del unconsumed[row_id]
             if consumer is not None:
                 self.rows[row_id].held_by[task] = consumer
         self.stats[f"taken:{task}"] += len(chosen)
@@ -103,7 +123,11 @@ class BusIndex:
         """Give rows back to `task` (a consumer died before finishing them)."""
         for row_id in row_ids:
             if row_id in self.rows:
-                self.rows[row_id].consumed_by.discard(task)
+                self._give_back(task, self.rows[row_id])
+
+    def _give_back(self, task: str, row: Row) -> None:
+        row.consumed_by.discard(task)
+        self._unconsumed(task)[row.row_id] = None
 
     def release_held(self, consumer: str, task: str, done_field: str | None) -> int:
         """A replica died: give `task` back the rows it took but did not finish (still lacking
@@ -112,7 +136,7 @@ class BusIndex:
         released = 0
         for row in self.rows.values():
             if row.held_by.get(task) == consumer and (done_field is None or done_field not in row.values):
-                row.consumed_by.discard(task)
+                self._give_back(task, row)
                 del row.held_by[task]
                 released += 1
         self.stats[f"released:{task}"] += released
@@ -141,6 +165,9 @@ class BusIndex:
     def clear(self, row_ids: list[int]) -> list[Any]:
         """Drop rows; returns their values so the caller can free the storage behind them."""
         dropped = [v for r in row_ids if r in self.rows for v in self.rows.pop(r).values.values()]
+        for unconsumed in self.open.values():
+            for row_id in row_ids:
+                unconsumed.pop(row_id, None)
         self.stats["rows_cleared"] += len(row_ids)
         return dropped
 
@@ -201,7 +228,7 @@ class BusIndex:
         return index
 
 
-def _check_columns(values: dict[str, list[Any]], count: int) -> None:
+def check_columns(values: dict[str, list[Any]], count: int) -> None:
     wrong = {k: len(v) for k, v in values.items() if len(v) != count}
     if wrong:
         raise ValueError(f"every field needs {count} values; got {wrong}")

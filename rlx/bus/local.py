@@ -49,6 +49,9 @@ class LocalBus:
         return self._wait_until(attempt, timeout, lambda: f"put of {len(group_ids)} rows waited {timeout}s for "
                                 f"room: bus holds {len(self.index.rows)} of {self.index.capacity} rows")
 
+    def flush(self) -> None:
+        """Writes apply at once here; present for the Ray bus's API."""
+
     def put_fields(self, row_ids: list[int], values: dict[str, list]) -> None:
         with self.changed:
             self.index.add_fields(row_ids, values)

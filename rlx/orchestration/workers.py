@@ -338,6 +338,7 @@ class RolloutWorker(Worker):
             self._pending[sample.group_id] -= 1
             if self._pending[sample.group_id] == 0:
                 del self._pending[sample.group_id]
+                self.bus.flush()  # the group is reported done only once the bus has all of it
                 self.source.finished(self.consumer, [sample.group_id])
             produced += 1
             self.items += 1

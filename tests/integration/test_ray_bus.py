@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 
@@ -54,11 +55,30 @@ def test_get_waits_for_a_producer_on_another_thread(bus):
 
 def test_capacity_gives_back_pressure(bus):
     rows = bus.put({"x": list(range(8))}, group_ids=list(range(8)))
-    with pytest.raises(BusTimeout, match="room"):
-        bus.put({"x": [9]}, group_ids=[9], timeout=0.3)
+    bus.put({"x": [9]}, group_ids=[9], timeout=0.3)  # returns at once: writes do not wait for a reply
+    with pytest.raises(BusTimeout, match="room"):  # the full bus made it wait 0.3 s, then fail
+        bus.flush()
     bus.clear(rows)
     assert bus.metrics()["bus_rows"] == 0
     assert ray.is_initialized()
+
+
+def test_writes_in_flight_apply_in_order_and_large_columns_go_through_the_object_store(bus):
+    big = [torch.arange(20_000), torch.arange(10)]  # 160 kB: above the inline limit
+    rows = bus.put({"ids": big}, group_ids=[1, 1], num_tokens=[20_000, 10])
+    bus.put_fields(rows, {"reward": [1.0, 2.0]})  # sent before the put is confirmed
+    consumer = pickle.loads(pickle.dumps(bus))  # another process's handle: no writes of its own
+    got, values = consumer.get("train", ["ids", "reward"], 2, timeout=5)
+    assert got == rows and values["reward"] == [1.0, 2.0]
+    assert torch.equal(values["ids"][0], big[0]) and torch.equal(values["ids"][1], big[1])
+    assert bus.snapshot()["rows"][0][3]["ids"].shape == (20_000,)  # snapshots hold values, not references
+    bus.clear(rows)
+
+
+def test_a_failed_write_is_raised_by_flush(bus):
+    bus.put_fields([10**9], {"reward": [1.0]})  # a row that was never added
+    with pytest.raises(Exception, match="never added"):
+        bus.flush()
 
 
 def test_snapshot_and_restore_keep_fields_and_consumption(bus):

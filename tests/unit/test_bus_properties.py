@@ -22,12 +22,17 @@ class BusMachine(RuleBasedStateMachine):
         self.taken: dict[str, list[int]] = {task: [] for task in TASKS}
         self.groups_of: dict[int, int] = {}
 
-    @rule(groups=st.integers(1, 3))
-    def produce(self, groups):
+    @rule(groups=st.integers(1, 3), reserved=st.booleans())
+    def produce(self, groups, reserved):
+        """`reserved`: the producer names its rows with ids reserved beforehand (the Ray bus's clients)."""
         group_ids = [self.next_group + g for g in range(groups) for _ in range(GROUP)]
+        ids = None
+        if reserved:
+            first = self.bus.reserve(len(group_ids))
+            ids = list(range(first, first + len(group_ids)))
         try:
             rows = self.bus.add_rows({"response": [f"r{i}" for i in range(len(group_ids))]}, group_ids,
-                                     [5] * len(group_ids))
+                                     [5] * len(group_ids), ids)
         except BusFull:
             assert len(self.bus.rows) + len(group_ids) > self.bus.capacity
             return
@@ -70,6 +75,11 @@ class BusMachine(RuleBasedStateMachine):
         for task, rows in self.taken.items():
             assert len(rows) == len(set(rows)), f"{task} got a row twice"
             assert set(rows) <= self.added
+
+    @invariant()
+    def each_task_knows_what_it_has_not_consumed(self):
+        for task, unconsumed in self.bus.open.items():
+            assert set(unconsumed) == {r.row_id for r in self.bus.rows.values() if task not in r.consumed_by}
 
     @invariant()
     def nothing_lost(self):

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
+from rlx.engines.generation.kv_cache import GrowingCache
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -74,7 +75,7 @@ class _Row:
 class _Running:
     """The decoding batch: one KV cache, and per row its mask, next position and next-token logits."""
 
-    cache: DynamicCache
+    cache: GrowingCache
     attention: torch.Tensor  # [B, L], left-padded, aligned with the cache
     next_position: torch.Tensor  # [B, 1]
     logits: torch.Tensor  # [B, V] for the token each row samples next
@@ -208,7 +209,7 @@ class HFGenerationEngine(StreamingEngine):
             attention[row, width - len(request.prompt_ids) :] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = GrowingCache()
         logits = self.model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions,
             past_key_values=cache, use_cache=True, logits_to_keep=1,
