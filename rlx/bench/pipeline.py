@@ -9,6 +9,7 @@ a response, so lengths are roughly geometric (mean about 40 tokens) with a tail 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -79,7 +80,24 @@ def run_pipeline_benchmark(work_dir: Path, steps: int = 8, hidden: int = 512, la
     base = results[0]["samples_per_s"]
     for row in results:
         row["speedup"] = row["samples_per_s"] / base
+    # The same colocated work on one thread: how much work there is, in core-seconds per step.
+    single = bench_config("colocate", 0, work_dir, model, data, steps)
+    single.resources.num_threads = 1
+    single.logging.run_dir = str(work_dir / "colocate-one-thread")
+    start = time.perf_counter()
+    run_colocate(single, overwrite=True, echo=lambda _: None)
+    results[0]["one_thread_step_s"] = summarize(single, time.perf_counter() - start)["step_s"]
     return results
+
+
+def overlap_bound(results: list[dict]) -> str:
+    """The most any schedule could gain on these cores: the single-threaded step's work spread
+    over every core with no idle time and no overhead."""
+    cores, one_thread, colocate = os.cpu_count() or 1, results[0]["one_thread_step_s"], results[0]["step_s"]
+    return (f"Bound: colocate takes {one_thread:.2f} s per step on one thread and {colocate:.2f} s on {cores}. "
+            f"Spread perfectly over {cores} cores, that work needs at least {one_thread / cores:.2f} s per step, "
+            f"so no schedule (async included) can beat colocate by more than "
+            f"{cores * colocate / one_thread:.2f}x on this machine.")
 
 
 def format_table(results: list[dict]) -> str:
@@ -91,4 +109,4 @@ def format_table(results: list[dict]) -> str:
                      f"{r['busy_actor']:.2f} |")
     lengths = ", ".join(f"{r['mode']}: {r['response_length']:.0f} tokens ({100 * r['truncated']:.0f}% at cap)"
                         for r in results)
-    return "\n".join(lines) + f"\n\nMean response length per mode: {lengths}."
+    return "\n".join(lines) + f"\n\nMean response length per mode: {lengths}.\n\n{overlap_bound(results)}"

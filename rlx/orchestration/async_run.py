@@ -132,11 +132,10 @@ class AsyncRun:
             self.step = json.loads((checkpoint / "trainer_state.json").read_text())["loop_step"]
             self.echo(f"resumed from {checkpoint} at step {self.step}")
         c.deploy()
-        # The Actor restarts from its last checkpoint when lost; a Critic would have to roll back with
-        # it, which async mode does not do yet, so losing either stops a run that has one.
+        # The Actor and the Critic each restart from their own newest checkpoint when lost.
         self.health = HealthManager(c.bus, c.prompts, c.heartbeats, cfg.rollout.n, t.heartbeat_timeout_s,
                                     t.max_restarts_per_role, t.max_restarts, c.weights,
-                                    global_recovery=frozenset() if cfg.uses_critic else frozenset({"actor"}))
+                                    global_recovery=frozenset({"actor", "critic"}))
         api = ApiServer(self, self.run_dir).start()
         self.echo(f"management API on {api.url} (token in {self.run_dir / 'api_token'})")
         pending_faults, critic_steps = [f for f in cfg.faults if f.role != "actor"], []
@@ -157,8 +156,9 @@ class AsyncRun:
                     critic_steps.extend(c.call("critic", "call", "take_reported"))
                 for metrics in self._actor_reports():
                     self.step = int(metrics.pop("trainer_step"))
+                    finished = metrics.pop("finished_at") - time.time() + time.perf_counter()
                     metrics.update(critic_steps.pop(0) if critic_steps else {})
-                    metrics.update(self.health.busy(), wall_time_s=time.perf_counter() - started,
+                    metrics.update(self.health.busy(), wall_time_s=finished - started,
                                    recoveries=float(len(self.health.recoveries)))
                     if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                         metrics.update(evaluator())

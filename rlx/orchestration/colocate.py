@@ -75,6 +75,7 @@ def train_one_step(workers: Workers, config: RunConfig) -> dict[str, float]:
     rows = groups * config.rollout.n
     with timer("train"):
         metrics = workers.actor.train_step(rows)
+    del metrics["finished_at"]  # the async driver's clock; this loop times its steps itself
     if workers.critic is not None:
         with timer("critic_train"):
             workers.critic.drain()

@@ -8,8 +8,9 @@ duplicates), then recovers its work:
 - rows a stateless role took from the bus but never finished go back to the bus;
 - a dead Rollout's unfinished groups (fewer than n rows ever reached the bus) are dropped from the
   bus, since partial groups would bias group statistics, and handed out again.
-Stateful roles (Actor, Critic) hold the optimizer state: losing one stops the run with a message
-that says how to continue (`rlx train --resume`).
+Stateful roles (Actor, Critic) hold optimizer state: a replacement restarts from the role's newest
+checkpoint (a global recovery), or, for roles not in `global_recovery`, losing one stops the run
+with a message that says how to continue (`rlx train --resume`).
 """
 
 from __future__ import annotations
@@ -25,20 +26,22 @@ if TYPE_CHECKING:
     from rlx.weights import WeightSync
 
 STATEFUL_ROLES = frozenset({"actor", "critic"})
-# role -> (bus task it takes rows for, the field it writes when done with a row; None: the role
-# clears the rows it is done with, so every row it still holds is unfinished)
-UNFINISHED_WORK: dict[str, tuple[str, str | None]] = {
-    "reward": ("reward", "reward"),
-    "genrm": ("reward", "reward"),
-    "advantages": ("advantages", "advantage"),
-    "reference": ("reference", "ref_logprobs"),
-    "actor_fwd": ("actor_fwd", "old_logprobs"),
-    "teacher": ("teacher", "teacher_logprobs"),
-    "actor": ("train", None),
+# role -> what it takes rows for: (bus task, the field it writes when done with a row; None: the
+# role clears the rows it is done with, or finished them with a step lost along with it, so every
+# row it still holds is unfinished)
+UNFINISHED_WORK: dict[str, list[tuple[str, str | None]]] = {
+    "reward": [("reward", "reward")],
+    "genrm": [("reward", "reward")],
+    "advantages": [("advantages", "advantage")],
+    "reference": [("reference", "ref_logprobs")],
+    "actor_fwd": [("actor_fwd", "old_logprobs")],
+    "teacher": [("teacher", "teacher_logprobs")],
+    "actor": [("train", None)],
+    "critic": [("critic", "values"), ("critic_train", None)],
 }
 
 # bus task -> the field it writes
-TASK_OUTPUTS = {task: field for task, field in UNFINISHED_WORK.values() if field is not None}
+TASK_OUTPUTS = {task: field for work in UNFINISHED_WORK.values() for task, field in work if field is not None}
 
 
 class RoleFailed(RuntimeError):
@@ -140,10 +143,8 @@ class HealthManager:
             requeued = self.bus.abandon_incomplete_groups(self.prompts.held_by(replica), self.group_size)
             self.prompts.requeue(replica, requeued)
             return 0, len(requeued)
-        if role not in UNFINISHED_WORK:  # the critic keeps its work in checkpoints
-            return 0, 0
-        task, done_field = UNFINISHED_WORK[role]
-        return self.bus.release_held(replica, task, done_field), 0
+        return sum(self.bus.release_held(replica, task, done_field)
+                   for task, done_field in UNFINISHED_WORK.get(role, [])), 0
 
     def busy(self) -> dict[str, float]:
         """Each role's busy fraction, averaged over its live replicas."""

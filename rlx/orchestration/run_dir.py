@@ -29,12 +29,14 @@ def prepare_run_dir(config: RunConfig, resume: bool, overwrite: bool) -> Path:
     return run_dir
 
 
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return run_dir / CHECKPOINTS / f"step_{step:06d}"
+def checkpoint_path(run_dir: Path, step: int, role: str | None = None) -> Path:
+    """The run's checkpoint of `step`; `role`: a stateful role that checkpoints on its own clock
+    (the async Critic), in a folder of its own."""
+    return run_dir / CHECKPOINTS / (role or "") / f"step_{step:06d}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def latest_checkpoint(run_dir: Path, role: str | None = None) -> Path | None:
     """The newest complete checkpoint (staging folders end in .partial and are ignored)."""
-    folder = run_dir / CHECKPOINTS
+    folder = run_dir / CHECKPOINTS / (role or "")
     done = sorted(p for p in folder.glob("step_*") if not p.name.endswith(".partial")) if folder.exists() else []
     return done[-1] if done else None

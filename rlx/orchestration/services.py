@@ -99,6 +99,18 @@ def _actor(cfg: RunConfig, shared: Shared) -> Worker:
     return worker
 
 
+def _critic(cfg: RunConfig, shared: Shared) -> Worker:
+    """The Critic holds the value model's optimizer state: a replacement after a loss starts from
+    the Critic's own newest checkpoint (a value model a few steps old; the policy is unaffected)."""
+    critic = build_critic(cfg)
+    worker = critic_worker(cfg, critic, shared.bus)
+    worker.checkpoint_every, worker.run_dir = cfg.train.checkpoint_every, shared.run_dir
+    checkpoint = latest_checkpoint(Path(shared.run_dir), "critic") if shared.run_dir else None
+    if checkpoint is not None:
+        critic.engine.load_checkpoint(checkpoint)
+    return worker
+
+
 def _actor_fwd(cfg: RunConfig, shared: Shared) -> Worker:
     actor_fwd = build_actor_fwd(cfg, model_path(cfg))
     return _subscribe(lambda sync: actor_fwd_worker(cfg, actor_fwd, shared.bus, sync), shared, actor_fwd.load_weights)
@@ -123,7 +135,7 @@ SERVICE_BUILDERS: dict[str, Callable[[RunConfig, Shared], Worker]] = {
     "genrm": _reward,  # the judge model's own service, in the reward role's place
     "advantages": lambda cfg, shared: advantages_worker(cfg, build_advantages(cfg), shared.bus),
     "reference": lambda cfg, shared: reference_worker(cfg, build_reference(cfg, model_path(cfg)), shared.bus),
-    "critic": lambda cfg, shared: critic_worker(cfg, build_critic(cfg), shared.bus),
+    "critic": _critic,
     "teacher": _teacher,
     "actor_fwd": _actor_fwd,
     "actor": _actor,

@@ -221,6 +221,8 @@ class CriticWorker(Worker):
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
         self.remaining: int | None = None  # rows left in the open training step
         self.unreported: list[dict[str, float]] = []
+        # async mode: the critic checkpoints itself every `checkpoint_every` of its own steps
+        self.checkpoint_every, self.run_dir = 0, None
 
     def _values(self) -> int:
         rows, values = self.bus.poll("critic", CRITIC_INPUTS, self.micro_batch_size, self.poll_timeout_s, partial=True)
@@ -245,6 +247,11 @@ class CriticWorker(Worker):
         if self.remaining <= 0:
             self.unreported.append(self._timed(self.role.finish_step))
             self.remaining = None
+            step = self.role.engine.step
+            self.unreported[-1]["critic_step"] = float(step)
+            if self.checkpoint_every and self.run_dir and step % self.checkpoint_every == 0:
+                self._timed(lambda: self.role.engine.save_checkpoint(
+                    checkpoint_path(Path(self.run_dir), step, "critic"), {}))
         self.items += len(rows)
         return len(rows)
 
@@ -421,6 +428,7 @@ class ActorWorker(Worker):
         # Rows leave the bus only once their step is done: an Actor lost mid-step hands them back.
         self.bus.clear_consumed(self.final_tasks)
         metrics["trainer_step"] = float(self.role.version)  # the driver's step count follows the trainer's
+        metrics["finished_at"] = time.time()  # the driver collects steps every few seconds: time them here
         metrics.update(batch_metrics(seen, version), trained_samples=float(trained),
                        **{f"filtered_{reason}": float(count) for reason, count in filtered.items()})
         self.samples_per_group.update(s.group_id for s in seen)

@@ -71,3 +71,27 @@ def test_a_lost_actor_restarts_from_its_checkpoint_and_the_bus_keeps_its_samples
     for r in records:  # every step, redone ones included, accounts for all its rows
         assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
     assert records[-1]["total_samples_duplicated"] == 0
+
+
+def test_a_lost_critic_restarts_from_its_own_checkpoint(tiny_path, tmp_path):
+    """PPO in async mode: the Critic (stateful: the value model's optimizer) is killed mid-run. Its
+    replacement loads the Critic's newest checkpoint, not the initial value model, takes back the
+    rows the dead one held, and the run completes with nothing trained twice."""
+    config = toy_config(tiny_path, tmp_path, train__steps=12, train__mode="async", train__max_staleness=1,
+                        rollout__prompts_per_step=2, algorithm__advantage="gae", train__checkpoint_every=2,
+                        train__step_timeout_s=300, train__heartbeat_timeout_s=10,
+                        reward__name="tests.integration.toy_task:paced_count_a")
+    config.faults = [FaultConfig(role="critic", at_step=4, kind="kill")]
+    run_dir = run_async(config, echo=print)
+
+    health = json.loads((run_dir / "health.json").read_text())
+    (critic,) = [r for r in health["recoveries"] if r["role"] == "critic"]
+    assert critic["scope"] == "global" and critic["replaced_after_s"] is not None
+    print(f"critic: back {critic['replaced_after_s']:.1f}s after the kill")
+    records = [r for r in read_metrics(run_dir) if "trained_samples" in r]
+    assert records[-1]["step"] == 12 and records[-1]["total_samples_duplicated"] == 0
+    for r in records:
+        assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
+    critic_steps = [int(r["critic_step"]) for r in records if "critic_step" in r]
+    assert critic_steps.count(1) == 1, critic_steps  # the replacement did not start from scratch
+    assert (run_dir / "checkpoints" / "critic" / "step_000002").is_dir()
