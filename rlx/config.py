@@ -136,6 +136,9 @@ class AlgorithmConfig(Section):
     cispo_clip_low: float = Field(1.0, ge=0.0, le=1.0, description="CISPO weight floor is 1 - this (1: none)")
     cispo_clip_high: float = Field(0.28, ge=0.0)
     kl_coef: float = Field(0.0, ge=0.0)
+    kl_reference_refresh_every: int = Field(
+        0, ge=0, description="0: the KL reference is the initial policy; N: it takes the policy's weights every N "
+        "steps (a periodically reset reference, as in ProRL)")
     kl_type: Literal["k1", "k2", "k3", "low_var"] = "k3"
     entropy_coef: float = Field(0.0, ge=0.0)
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
@@ -303,6 +306,9 @@ def choice_conflicts(c: RunConfig) -> list[str]:
         problems.append("algorithm.dynamic_sampling refills groups dropped for equal rewards: it needs "
                         "algorithm.filter_zero_std_groups=true, a group-relative advantage (grpo, rloo, "
                         "reinforce_pp_baseline) and no teacher")
+    if a.kl_reference_refresh_every and a.kl_coef <= 0:
+        problems.append("algorithm.kl_reference_refresh_every refreshes the KL reference, but algorithm.kl_coef=0 "
+                        "uses none: set kl_coef>0 (e.g. 0.05), or remove kl_reference_refresh_every")
     if c.critic.path is not None and not c.uses_critic:
         problems.append(f"critic.path is set but algorithm.advantage={a.advantage} uses no critic: "
                         "set algorithm.advantage=gae for PPO, or remove critic.path")

@@ -109,7 +109,8 @@ def build_reference(config: RunConfig, path: Path) -> Reference | None:
     if config.algorithm.kl_coef <= 0:
         return None
     model, tokenizer = load_pretrained(path, config.model.dtype, config.resources.device)
-    return Reference(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size)
+    return Reference(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size,
+                     config.algorithm.kl_reference_refresh_every)
 
 
 def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd:
@@ -149,8 +150,12 @@ class Components:
         return sampling_params(self.config, seed, greedy)
 
     def sync_weights(self) -> None:
-        """Colocated weight hand-off: copy the trainer's weights into the generation engine."""
-        self.rollout.load_weights(self.actor.weights(), self.actor.version)
+        """Colocated weight hand-off: copy the trainer's weights into the generation engine (and
+        into a reference that follows the policy, when due)."""
+        weights = self.actor.weights()
+        self.rollout.load_weights(weights, self.actor.version)
+        if self.reference is not None:
+            self.reference.refresh(weights, self.actor.version)
 
 
 def build_components(config: RunConfig) -> Components:
@@ -246,9 +251,10 @@ def teacher_worker(config: RunConfig, teacher: Reference, bus) -> LogProbWorker:
     return LogProbWorker("teacher", teacher, bus, config.train.micro_batch_size, TEACHER_INPUTS, "teacher_logprobs")
 
 
-def reference_worker(config: RunConfig, reference: Reference, bus) -> LogProbWorker:
+def reference_worker(config: RunConfig, reference: Reference, bus,
+                     sync_weights: Callable[[], None] = lambda: None) -> LogProbWorker:
     return LogProbWorker("reference", reference, bus, config.train.micro_batch_size, REFERENCE_INPUTS,
-                         "ref_logprobs")
+                         "ref_logprobs", before_batch=sync_weights)
 
 
 def actor_fwd_worker(config: RunConfig, actor_fwd, bus, sync_weights: Callable[[], None]) -> LogProbWorker:

@@ -111,6 +111,15 @@ def _critic(cfg: RunConfig, shared: Shared) -> Worker:
     return worker
 
 
+def _reference(cfg: RunConfig, shared: Shared) -> Worker:
+    """A frozen reference needs no weights after its start; one that follows the policy subscribes
+    to DCS and takes a version when its refresh is due (a replacement starts from the latest)."""
+    reference = build_reference(cfg, model_path(cfg))
+    if not reference.refresh_every:
+        return reference_worker(cfg, reference, shared.bus)
+    return _subscribe(lambda sync: reference_worker(cfg, reference, shared.bus, sync), shared, reference.refresh)
+
+
 def _actor_fwd(cfg: RunConfig, shared: Shared) -> Worker:
     actor_fwd = build_actor_fwd(cfg, model_path(cfg))
     return _subscribe(lambda sync: actor_fwd_worker(cfg, actor_fwd, shared.bus, sync), shared, actor_fwd.load_weights)
@@ -134,7 +143,7 @@ SERVICE_BUILDERS: dict[str, Callable[[RunConfig, Shared], Worker]] = {
     "reward": _reward,
     "genrm": _reward,  # the judge model's own service, in the reward role's place
     "advantages": lambda cfg, shared: advantages_worker(cfg, build_advantages(cfg), shared.bus),
-    "reference": lambda cfg, shared: reference_worker(cfg, build_reference(cfg, model_path(cfg)), shared.bus),
+    "reference": _reference,
     "critic": _critic,
     "teacher": _teacher,
     "actor_fwd": _actor_fwd,

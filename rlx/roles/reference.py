@@ -1,4 +1,5 @@
-"""Forward-only log-prob roles: Reference (frozen, for the KL term) and ActorFwd (follows the policy)."""
+"""Forward-only log-prob roles: Reference (for the KL term: frozen, or reset to the policy every few
+steps) and ActorFwd (follows the policy)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,31 @@ from rlx.roles.batching import samples_to_batch
 
 
 class Reference:
-    def __init__(self, model, pad_token_id: int, temperature: float, micro_batch_size: int) -> None:
+    weight_version = 0
+
+    def __init__(self, model, pad_token_id: int, temperature: float, micro_batch_size: int,
+                 refresh_every: int = 0) -> None:
+        """`refresh_every` > 0: the reference takes the policy's weights once they are that many
+        versions newer than its own (a periodically reset KL anchor); 0: it stays frozen."""
         self.model = model.eval().requires_grad_(False)
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
+        self.refresh_every = refresh_every
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=True)
+        self.weight_version = version
+
+    def refresh(self, state_dict: dict[str, torch.Tensor], version: int) -> bool:
+        """Offer the policy's weights of `version`; taken when a refresh is due, or when the policy
+        went back behind the reference (a restored Actor). True if taken."""
+        due = self.refresh_every > 0 and (version >= self.weight_version + self.refresh_every
+                                          or version < self.weight_version)
+        if due:
+            self.load_weights(state_dict, version)
+        return due
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
@@ -30,10 +51,3 @@ class ActorFwd(Reference):
     """Log-probs under the latest published policy: the proximal policy of decoupled PPO.
 
     Computed on its own resources as samples arrive, so these forward passes overlap training."""
-
-    weight_version = 0
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        with torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=True)
-        self.weight_version = version

@@ -74,3 +74,14 @@ def test_kl_to_reference_flows_through_the_reference_role(tiny_path, tmp_path):
     assert len(kls) >= 2 and abs(kls[0]) < 1e-6  # the first step starts at the reference
     assert max(kls[1:]) > 0  # after an update the policy has moved away from the reference
     assert all("time_reference_s" in r for r in records if "kl" in r)
+
+
+def test_a_reference_that_follows_the_policy_is_reset_every_n_steps(tiny_path, tmp_path):
+    """kl_reference_refresh_every=2: after the weights of steps 2 and 4 are published the reference
+    takes them, so the next step's (on-policy) samples are scored against their own policy: KL 0."""
+    config = toy_config(tiny_path, tmp_path, train__steps=6, algorithm__kl_coef=0.5,
+                        algorithm__kl_reference_refresh_every=2)
+    kls = [r["kl"] for r in read_metrics(run_colocate(config, echo=lambda _: None)) if "kl" in r]
+    assert len(kls) == 6
+    assert all(abs(kls[step - 1]) < 1e-6 for step in (1, 3, 5)), kls  # right after a reset
+    assert all(kls[step - 1] > 1e-6 for step in (2, 4, 6)), kls  # one update away from it

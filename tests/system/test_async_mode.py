@@ -32,12 +32,14 @@ def test_async_run_trains_within_staleness_and_leaves_no_processes(tiny_path, tm
 
 
 def test_async_ppo_with_teacher_and_judge_roles(tiny_path, tmp_path):
-    """Critic, Teacher and GenRM each run as their own service: values, teacher log-probs and judged
-    rewards all travel over the bus, and the critic's training steps reach the metrics. Weights go
-    to the rollout over a gloo broadcast group."""
+    """Critic, Teacher, Reference and GenRM each run as their own service: values, teacher and
+    reference log-probs and judged rewards all travel over the bus, and the critic's training steps
+    reach the metrics. Weights go to the rollout and to the reference (reset to the policy every
+    step) over a gloo broadcast group."""
     config = toy_config(tiny_path, tmp_path, train__steps=3, train__mode="async", train__max_staleness=1,
                         rollout__prompts_per_step=2, algorithm__advantage="gae", teacher__path=str(tiny_path),
-                        reward__name="genrm", weights__channel="gloo")
+                        reward__name="genrm", weights__channel="gloo", algorithm__kl_coef=0.1,
+                        algorithm__kl_reference_refresh_every=1)
     config.reward.judge.model = str(tiny_path)
     config.reward.judge.parser = "tests.integration.toy_task:judge_length"
     run_dir = run_async(config, echo=lambda _: None)
@@ -51,4 +53,6 @@ def test_async_ppo_with_teacher_and_judge_roles(tiny_path, tmp_path):
     weights = json.loads((run_dir / "health.json").read_text())["weights"]
     # released as the rollout moved on: the latest, and at most the one the rollout was still using
     assert weights["latest"] == 3 and weights["epoch"] >= 1 and weights["held"][-1] == 3 and len(weights["held"]) <= 2
-    assert [s["channel"] for s in weights["subscribers"].values()] == ["gloo"]
+    assert sorted(name.split("-")[0] for name in weights["subscribers"]) == ["reference", "rollout"]
+    assert {s["channel"] for s in weights["subscribers"].values()} == {"gloo"}
+    assert all("kl" in r for r in steps)

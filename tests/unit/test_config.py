@@ -183,6 +183,7 @@ def test_to_yaml_round_trip():
     ({"algorithm": {"advantage": "gae", "policy_loss": "gspo"}}, "policy_loss=clipped"),
     ({"algorithm": {"policy_loss": "gspo"}}, "aggregation=seq-mean-token-mean"),
     ({"reward": {"scope": "group"}}, "reward.scope=sample"),
+    ({"algorithm": {"kl_reference_refresh_every": 4}}, "set kl_coef>0"),
 ])
 def test_algorithm_and_reward_choices_are_checked_together(raw, fix):
     with pytest.raises(ConfigError) as error:
