@@ -19,8 +19,8 @@ row the bus did not get.
 from __future__ import annotations
 
 import asyncio
-import time
 import threading
+import time
 from typing import Any
 
 import ray
@@ -30,12 +30,13 @@ from rlx.bus.columns import INLINE_BYTES, approx_nbytes, pack
 from rlx.bus.core import BusFull, BusIndex, BusTimeout, check_columns
 from rlx.bus.samplers import SamplerSpec, make_sampler
 
+
 class Stored:
     """A row's field held in the object store: item `position` of the object `ref`. In a reply to
     a client, `ref` is the object's number in the reply's list of references instead (each
     reference is sent once: serializing one costs Ray about 0.1 ms)."""
 
-    __slots__ = ("ref", "position")
+    __slots__ = ("position", "ref")
 
     def __init__(self, ref: ray.ObjectRef | int, position: int) -> None:
         self.ref, self.position = ref, position

@@ -45,53 +45,56 @@ def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
     assert rollout["replacement_weight_version"] >= rollout["weights_at_death"], rollout
 
 
+def paced_async_config(tiny_path, tmp_path, **overrides):
+    """12 async steps of 16 samples, paced to about 2 s a step so the driver sees each step (and
+    injects a fault after it) while it happens. The paced reward takes 1 s a sample, so the
+    held-out evaluations score only 4 prompts."""
+    return toy_config(tiny_path, tmp_path, train__steps=12, train__mode="async", train__max_staleness=1,
+                      rollout__prompts_per_step=2, train__step_timeout_s=300, train__heartbeat_timeout_s=10,
+                      reward__name="tests.integration.toy_task:paced_count_a", data__eval_size=4, **overrides)
+
+
+def recovered_globally(run_dir, role: str) -> tuple[dict, list[dict]]:
+    """Checks shared by the stateful-role tests: `role` was replaced from its checkpoint, the run
+    completed its 12 steps, every step (redone ones included) accounts for all 16 of its rows, and
+    nothing was trained twice. Returns health.json and the step records."""
+    health = json.loads((run_dir / "health.json").read_text())
+    (recovery,) = [r for r in health["recoveries"] if r["role"] == role]
+    assert recovery["scope"] == "global" and recovery["replaced_after_s"] is not None
+    print(f"{role}: back {recovery['replaced_after_s']:.1f}s after the fault")
+    records = [r for r in read_metrics(run_dir) if "trained_samples" in r]
+    assert records[-1]["step"] == 12 and records[-1]["total_samples_duplicated"] == 0
+    for r in records:
+        assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
+    return health, records
+
+
 def test_a_lost_actor_restarts_from_its_checkpoint_and_the_bus_keeps_its_samples(tiny_path, tmp_path):
     """Global recovery: the Actor (stateful) is killed mid-run; its replacement loads the newest
     checkpoint, every engine rolls back to those weights, and the run redoes the lost steps with
     the samples already on the bus (those within max_staleness) and new ones."""
-    config = toy_config(tiny_path, tmp_path, train__steps=12, train__mode="async", train__max_staleness=1,
-                        rollout__prompts_per_step=2, train__checkpoint_every=4, train__step_timeout_s=300,
-                        train__heartbeat_timeout_s=10, reward__name="tests.integration.toy_task:paced_count_a")
+    config = paced_async_config(tiny_path, tmp_path, train__checkpoint_every=4)
     config.faults = [FaultConfig(role="actor", at_step=6, kind="kill")]
     run_dir = run_async(config, echo=print)
 
-    health = json.loads((run_dir / "health.json").read_text())
-    (actor,) = [r for r in health["recoveries"] if r["role"] == "actor"]
-    assert actor["scope"] == "global" and actor["replaced_after_s"] is not None
-    print(f"actor: back {actor['replaced_after_s']:.1f}s after its last heartbeat")
+    health, records = recovered_globally(run_dir, "actor")
     # killed right after its step 6, the trainer restarts from its own step-4 checkpoint
     assert health["weights"]["rollbacks"] == [[6, 4]]
     lost, restored = 6, 4
     assert health["samples_rolled_back"] == (lost - restored) * 16
-
-    records = [r for r in read_metrics(run_dir) if "trained_samples" in r]
     steps = [r["step"] for r in records]
-    assert steps[-1] == 12  # the run completed
     assert steps[-8:] == list(range(5, 13)), steps  # the new trainer reported steps 5 to 12
-    for r in records:  # every step, redone ones included, accounts for all its rows
-        assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
-    assert records[-1]["total_samples_duplicated"] == 0
 
 
 def test_a_lost_critic_restarts_from_its_own_checkpoint(tiny_path, tmp_path):
     """PPO in async mode: the Critic (stateful: the value model's optimizer) is killed mid-run. Its
     replacement loads the Critic's newest checkpoint, not the initial value model, takes back the
     rows the dead one held, and the run completes with nothing trained twice."""
-    config = toy_config(tiny_path, tmp_path, train__steps=12, train__mode="async", train__max_staleness=1,
-                        rollout__prompts_per_step=2, algorithm__advantage="gae", train__checkpoint_every=2,
-                        train__step_timeout_s=300, train__heartbeat_timeout_s=10,
-                        reward__name="tests.integration.toy_task:paced_count_a")
+    config = paced_async_config(tiny_path, tmp_path, algorithm__advantage="gae", train__checkpoint_every=2)
     config.faults = [FaultConfig(role="critic", at_step=4, kind="kill")]
     run_dir = run_async(config, echo=print)
 
-    health = json.loads((run_dir / "health.json").read_text())
-    (critic,) = [r for r in health["recoveries"] if r["role"] == "critic"]
-    assert critic["scope"] == "global" and critic["replaced_after_s"] is not None
-    print(f"critic: back {critic['replaced_after_s']:.1f}s after the kill")
-    records = [r for r in read_metrics(run_dir) if "trained_samples" in r]
-    assert records[-1]["step"] == 12 and records[-1]["total_samples_duplicated"] == 0
-    for r in records:
-        assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
+    _, records = recovered_globally(run_dir, "critic")
     critic_steps = [int(r["critic_step"]) for r in records if "critic_step" in r]
     assert critic_steps.count(1) == 1, critic_steps  # the replacement did not start from scratch
     assert (run_dir / "checkpoints" / "critic" / "step_000002").is_dir()
