@@ -14,26 +14,38 @@ from rlx.orchestration.async_run import run_async
 from tests.integration.test_colocate_loop import toy_config
 
 
+def paced_async_config(tiny_path, tmp_path, **overrides):
+    """Async steps of 16 samples (12 unless overridden), paced to about 2 s a step so the driver
+    sees each step (and injects a fault after it) while it happens. The paced reward takes 1 s a
+    sample, so the held-out evaluations score only 4 prompts."""
+    paced = {"train__steps": 12, "train__mode": "async", "train__max_staleness": 1, "rollout__prompts_per_step": 2,
+             "train__step_timeout_s": 300, "train__heartbeat_timeout_s": 10, "data__eval_size": 4,
+             "reward__name": "tests.integration.toy_task:paced_count_a"}
+    return toy_config(tiny_path, tmp_path, **{**paced, **overrides})
+
+
 def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
     # the trainer cannot outrun a dead producer by more than max_staleness steps, so every fault must be
     # recovered for the run to reach its last step
-    config = toy_config(tiny_path, tmp_path, train__steps=30, train__mode="async", train__max_staleness=1,
-                        rollout__prompts_per_step=2, train__hang_timeout_s=6, train__step_timeout_s=300,
-                        train__heartbeat_timeout_s=10)
+    # KL to a reference and decoupled PPO bring in the Reference and ActorFwd roles, killed too
+    config = paced_async_config(tiny_path, tmp_path, train__steps=20, train__hang_timeout_s=6,
+                                algorithm__kl_coef=0.05, algorithm__behavior_correction="decoupled")
     config.faults = [FaultConfig(role="reward", at_step=2, kind="kill"),
                      FaultConfig(role="rollout", at_step=4, kind="kill"),
-                     FaultConfig(role="advantages", at_step=6, kind="hang")]
+                     FaultConfig(role="advantages", at_step=6, kind="hang"),
+                     FaultConfig(role="reference", at_step=8, kind="kill"),
+                     FaultConfig(role="actor_fwd", at_step=10, kind="kill")]
     run_dir = run_async(config, echo=print)
 
     steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
-    assert [r["step"] for r in steps] == list(range(1, 31))  # the run completed
+    assert [r["step"] for r in steps] == list(range(1, 21))  # the run completed
     assert steps[-1]["total_samples_duplicated"] == 0  # no sample reached the trainer twice
     for r in steps:  # every row of every step is accounted for: trained or filtered with a reason
         assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
 
     health = json.loads((run_dir / "health.json").read_text())
     recovered = {r["role"]: r for r in health["recoveries"]}
-    assert set(recovered) == {"reward", "rollout", "advantages"}, health
+    assert set(recovered) == {"reward", "rollout", "advantages", "reference", "actor_fwd"}, health
     for recovery in recovered.values():  # each role was noticed dead and served again by a new replica
         assert recovery["detected_after_s"] is not None and recovery["replaced_after_s"] is not None
         print(f"{recovery['role']}: noticed after {recovery['detected_after_s']:.1f}s, "
@@ -43,15 +55,6 @@ def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
     rollout = recovered["rollout"]
     assert rollout["weights_at_death"] > 0
     assert rollout["replacement_weight_version"] >= rollout["weights_at_death"], rollout
-
-
-def paced_async_config(tiny_path, tmp_path, **overrides):
-    """12 async steps of 16 samples, paced to about 2 s a step so the driver sees each step (and
-    injects a fault after it) while it happens. The paced reward takes 1 s a sample, so the
-    held-out evaluations score only 4 prompts."""
-    return toy_config(tiny_path, tmp_path, train__steps=12, train__mode="async", train__max_staleness=1,
-                      rollout__prompts_per_step=2, train__step_timeout_s=300, train__heartbeat_timeout_s=10,
-                      reward__name="tests.integration.toy_task:paced_count_a", data__eval_size=4, **overrides)
 
 
 def recovered_globally(run_dir, role: str) -> tuple[dict, list[dict]]:
