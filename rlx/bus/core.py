@@ -116,6 +116,13 @@ class BusIndex:
         self.stats[f"taken:{task}"] += len(chosen)
         return chosen
 
+    def take_values(self, task: str, fields: list[str], batch_size: int, sampler: Sampler | None = None,
+                    partial: bool = False, consumer: str | None = None) -> tuple[list[int], dict[str, list[Any]]] | None:
+        """`take`, and the taken rows' values read in the same breath: once taken, a row may be
+        cleared by another task's `clear_consumed` at the next chance. None when none qualify."""
+        row_ids = self.take(task, fields, batch_size, sampler, partial, consumer)
+        return (row_ids, self.values(row_ids, fields)) if row_ids else None
+
     def values(self, row_ids: list[int], fields: list[str]) -> dict[str, list[Any]]:
         return {f: [self.rows[r].values[f] for r in row_ids] for f in fields}
 

@@ -60,21 +60,19 @@ class LocalBus:
     def get(self, task: str, fields: list[str], batch_size: int, timeout: float | None = None,
             sampler: SamplerSpec | None = None, partial: bool = False) -> tuple[list[int], dict[str, list]]:
         chooser, started = make_sampler(sampler), time.monotonic()
-        row_ids = self._wait_until(lambda: self.index.take(task, fields, batch_size, chooser, partial,
-                                                           self.consumer), timeout,
-                                   lambda: self.index.timeout_message(task, fields, batch_size, timeout))
+        taken = self._wait_until(lambda: self.index.take_values(task, fields, batch_size, chooser, partial,
+                                                                self.consumer), timeout,
+                                 lambda: self.index.timeout_message(task, fields, batch_size, timeout))
         with self.changed:
             self.wait_seconds[task] = self.wait_seconds.get(task, 0.0) + time.monotonic() - started
-            return row_ids, self.index.values(row_ids, fields)
+        return taken
 
     def poll(self, task: str, fields: list[str], batch_size: int, timeout: float,
              sampler: SamplerSpec | None = None, partial: bool = False) -> tuple[list[int], dict[str, list]]:
         """Like `get`, but an empty result instead of an error when nothing is ready in time."""
         chooser = make_sampler(sampler)
-        row_ids = self._wait_until(lambda: self.index.take(task, fields, batch_size, chooser, partial, self.consumer),
-                                   timeout, None) or []
-        with self.changed:
-            return row_ids, self.index.values(row_ids, fields) if row_ids else {}
+        return self._wait_until(lambda: self.index.take_values(task, fields, batch_size, chooser, partial,
+                                                               self.consumer), timeout, None) or ([], {})
 
     def release(self, task: str, row_ids: list[int]) -> None:
         with self.changed:

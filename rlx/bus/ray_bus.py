@@ -145,12 +145,13 @@ class BusActor:
         chooser = make_sampler(sampler)
         started = time.monotonic()
         describe = (lambda: self.index.timeout_message(task, fields, batch_size, timeout)) if raise_on_timeout else None
-        row_ids = await self._wait_until(
-            lambda: self.index.take(task, fields, batch_size, chooser, partial, consumer), timeout, describe) or []
+        row_ids, taken = await self._wait_until(
+            lambda: self.index.take_values(task, fields, batch_size, chooser, partial, consumer), timeout,
+            describe) or ([], {})
         self.wait_seconds[task] = self.wait_seconds.get(task, 0.0) + time.monotonic() - started
-        await self._notify()
         reply = _Reply()
-        values = {f: [reply.entry(v) for v in column] for f, column in self.index.values(row_ids, fields).items()}
+        values = {f: [reply.entry(v) for v in column] for f, column in taken.items()}
+        await self._notify()
         return row_ids, reply.refs, values
 
     async def release(self, task: str, row_ids: list[int]) -> None:
