@@ -33,6 +33,7 @@ from rlx.orchestration.controller import Controller, role_names
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.health import HealthManager
 from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
+from rlx.orchestration.workers import Cursor
 from rlx.weights.sync import WeightReader, WeightSync
 
 POLL_S = 2.0  # status round trips cost CPU the roles need
@@ -72,6 +73,7 @@ class AsyncRun:
         self.stop_requested = threading.Event()
         self.rollbacks: list = []  # global recoveries seen so far: (lost version, restored version)
         self.samples_rolled_back = 0
+        self.cursors: dict[str, Cursor | None] = {"actor": None, "critic": None}  # the last report held
 
     # -- RunControl ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -96,13 +98,17 @@ class AsyncRun:
         self.stop_requested.set()
 
     # -- global recovery -------------------------------------------------------------------------
-    def _actor_reports(self) -> list[dict[str, float]]:
-        """The Actor's finished steps; none while it is lost (the HealthManager deals with that)."""
-        try:  # while the Actor is down the call waits for its replacement: not for long
-            return self.controller.call("actor", "call", "take_reported", timeout_s=POLL_S * 5)
+    def _reports(self, role: str) -> list[dict[str, float]]:
+        """A trainer's finished steps not seen yet; none while it is lost (the HealthManager deals
+        with that). A reply lost to a timeout is handed out again by the next call."""
+        try:  # while the role is down the call waits for its replacement: not for long
+            reports = self.controller.call(role, "call", "reported_after", self.cursors[role], timeout_s=POLL_S * 5)
         except (ray.exceptions.RayError, TimeoutError) as error:
-            self.echo(f"actor unreachable ({type(error).__name__}); waiting for the health checks")
+            self.echo(f"{role} unreachable ({type(error).__name__}); waiting for the health checks")
             return []
+        if reports:
+            self.cursors[role] = reports[-1][0]
+        return [metrics for _, metrics in reports]
 
     def _follow_rollbacks(self) -> None:
         """A restarted Actor published its checkpoint's weights as a rollback: the steps after the
@@ -153,8 +159,8 @@ class AsyncRun:
                     self.alerts.notify("recovery", message)
                 self._follow_rollbacks()
                 if "critic" in c.handles:
-                    critic_steps.extend(c.call("critic", "call", "take_reported"))
-                for metrics in self._actor_reports():
+                    critic_steps.extend(self._reports("critic"))
+                for metrics in self._reports("actor"):
                     self.step = int(metrics.pop("trainer_step"))
                     finished = metrics.pop("finished_at") - time.time() + time.perf_counter()
                     metrics.update(critic_steps.pop(0) if critic_steps else {})

@@ -79,7 +79,7 @@ def train_one_step(workers: Workers, config: RunConfig) -> dict[str, float]:
     if workers.critic is not None:
         with timer("critic_train"):
             workers.critic.drain()
-        metrics.update(workers.critic.unreported.pop())
+        metrics.update(workers.critic.reports.drain()[-1])
     metrics.update(timer.metrics(), time_step_s=sum(timer.seconds.values()), groups_sampled=float(groups))
     metrics["gen_tokens_per_s"] = metrics["response_length"] * rows / max(timer.seconds["rollout"], 1e-9)
     metrics["train_tokens_per_s"] = metrics["train_tokens"] / max(timer.seconds["train"], 1e-9)

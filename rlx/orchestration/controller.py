@@ -117,9 +117,11 @@ class Controller:
 
     def call(self, role: str, method: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
         """A call on a role's service; a service that does not answer in time is named in the error."""
+        response = getattr(self.handles[role], method).remote(*args)
         try:
-            return getattr(self.handles[role], method).remote(*args).result(timeout_s=timeout_s)
+            return response.result(timeout_s=timeout_s)
         except TimeoutError as error:
+            response.cancel()  # not left queued for a replacement replica to run later
             detail = f" {args[0]!r}" if method == "call" and args else ""
             raise TimeoutError(f"the {role} service did not answer {method}{detail} within {timeout_s:.0f}s; "
                                f"see `rlx status` and the {role} replica's log") from error

@@ -10,6 +10,7 @@ import abc
 import pickle
 import threading
 import time
+import uuid
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import fields as dataclass_fields
@@ -50,6 +51,34 @@ def to_samples(row_ids: list[int], values: dict[str, list]) -> list[Sample]:
 
 def sample_tokens(sample: Sample) -> int:
     return len(sample.prompt_ids) + len(sample.response_ids)
+
+
+Cursor = tuple[str, int]  # (the worker instance, the index of a report it made)
+
+
+class StepReports:
+    """Metrics of finished steps, held until the driver confirms it has them: a reply lost to a
+    timeout (a busy or dying replica) is handed out again by the next call instead of vanishing."""
+
+    def __init__(self) -> None:
+        self.origin = uuid.uuid4().hex  # a replacement worker numbers its reports afresh
+        self.pending: list[tuple[int, dict[str, float]]] = []
+        self.made = 0
+
+    def add(self, metrics: dict[str, float]) -> None:
+        self.pending.append((self.made, metrics))
+        self.made += 1
+
+    def after(self, cursor: Cursor | None) -> list[tuple[Cursor, dict[str, float]]]:
+        """The reports after `cursor`, the last one the caller holds; those up to it are dropped."""
+        if cursor is not None and cursor[0] == self.origin:
+            self.pending = [(i, m) for i, m in self.pending if i > cursor[1]]
+        return [((self.origin, i), dict(m)) for i, m in self.pending]
+
+    def drain(self) -> list[dict[str, float]]:
+        """Every pending report, each handed out once (colocated mode: no reply can be lost)."""
+        reported, self.pending = [m for _, m in self.pending], []
+        return reported
 
 
 class Worker(abc.ABC):
@@ -220,7 +249,7 @@ class CriticWorker(Worker):
         self.role, self.bus, self.final_tasks = role, bus, final_tasks
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
         self.remaining: int | None = None  # rows left in the open training step
-        self.unreported: list[dict[str, float]] = []
+        self.reports = StepReports()
         # async mode: the critic checkpoints itself every `checkpoint_every` of its own steps
         self.checkpoint_every, self.run_dir = 0, None
 
@@ -245,10 +274,10 @@ class CriticWorker(Worker):
         self.bus.clear_consumed(self.final_tasks)
         self.remaining -= len(rows)
         if self.remaining <= 0:
-            self.unreported.append(self._timed(self.role.finish_step))
+            metrics = self._timed(self.role.finish_step)
             self.remaining = None
             step = self.role.engine.step
-            self.unreported[-1]["critic_step"] = float(step)
+            self.reports.add({**metrics, "critic_step": float(step)})
             if self.checkpoint_every and self.run_dir and step % self.checkpoint_every == 0:
                 self._timed(lambda: self.role.engine.save_checkpoint(
                     checkpoint_path(Path(self.run_dir), step, "critic"), {}))
@@ -258,10 +287,9 @@ class CriticWorker(Worker):
     def work_once(self) -> int:
         return self._values() + self._train()
 
-    def take_reported(self) -> list[dict[str, float]]:
-        """Metrics of the training steps finished since the last call (each handed out once)."""
-        reported, self.unreported = self.unreported, []
-        return reported
+    def reported_after(self, cursor: Cursor | None) -> list[tuple[Cursor, dict[str, float]]]:
+        """The Critic's finished steps the driver does not hold yet (see `StepReports`)."""
+        return self.reports.after(cursor)
 
 
 class LogProbWorker(Worker):
@@ -388,7 +416,7 @@ class ActorWorker(Worker):
         self.final_tasks, self.dynamic_max_rows = list(final_tasks), dynamic_max_rows
         self.group_size, self.samples_per_group = group_size, Counter()  # to prove nothing arrives twice
         self.capture: Callable[[], dict[str, Any]] | None = None  # run state saved with each checkpoint
-        self.unreported: list[dict[str, float]] = []
+        self.reports = StepReports()  # async mode: the steps `work_once` finished
         self.lock = threading.Lock()  # a checkpoint never sees half a step
         # async mode: the trainer checkpoints itself every `checkpoint_every` of its own steps
         self.checkpoint_every, self.run_dir = 0, None
@@ -435,7 +463,6 @@ class ActorWorker(Worker):
         metrics["total_samples_duplicated"] = float(sum(max(0, c - self.group_size)
                                                         for c in self.samples_per_group.values()))
         self.items += len(seen)
-        self.unreported.append(metrics)
         return metrics
 
     def work_once(self) -> int:
@@ -444,7 +471,7 @@ class ActorWorker(Worker):
             return 0
         with self.lock:
             try:
-                self.train_step()
+                self.reports.add(self.train_step())
             except BusTimeout:
                 if self._stop.is_set():  # asked to stop mid-step: the unfinished step is dropped
                     return 0
@@ -457,10 +484,9 @@ class ActorWorker(Worker):
             fire()
         return self.rows_per_step
 
-    def take_reported(self) -> list[dict[str, float]]:
-        """Metrics of the steps finished since the last call (each handed out once)."""
-        reported, self.unreported = self.unreported, []
-        return reported
+    def reported_after(self, cursor: Cursor | None) -> list[tuple[Cursor, dict[str, float]]]:
+        """The trainer's finished steps the driver does not hold yet (see `StepReports`)."""
+        return self.reports.after(cursor)
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), "version": self.role.version}

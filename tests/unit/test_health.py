@@ -14,6 +14,7 @@ from rlx.orchestration.health import HealthManager, RoleFailed
 from rlx.orchestration.heartbeats import Heartbeats
 from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.staleness import StalenessGate
+from rlx.orchestration.workers import StepReports
 
 N = 2  # responses per prompt
 
@@ -87,3 +88,20 @@ def test_a_replica_that_said_goodbye_is_not_a_failure():
     beats.beat("rollout", "rollout-a", {"stopped": True, "failure": None})
     assert health.observe() == [] and health.recoveries == []
     assert beats.snapshot() == {}
+
+
+def test_step_reports_survive_a_lost_reply_and_a_replacement():
+    """A trainer keeps each step's report until the driver's cursor shows it arrived: a reply lost
+    to a timeout comes again, and a replacement trainer's reports are never taken for seen ones."""
+    reports = StepReports()
+    for step in (1, 2, 3):
+        reports.add({"trainer_step": float(step)})
+    first = reports.after(None)
+    assert [m["trainer_step"] for _, m in first] == [1, 2, 3]
+    reports.add({"trainer_step": 4.0})
+    reports.after(first[-1][0])  # its reply never reaches the driver, whose cursor stays
+    assert [m["trainer_step"] for _, m in reports.after(first[-1][0])] == [4]  # step 4 comes again
+    replacement = StepReports()
+    replacement.add({"trainer_step": 3.0})
+    assert [m["trainer_step"] for _, m in replacement.after(first[-1][0])] == [3]
+    assert reports.drain() == [{"trainer_step": 4.0}] and reports.drain() == []
