@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from rlx.data.rows import DataError, PromptRow
+
+if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
+    from transformers import PreTrainedTokenizerBase
 
 
 def render_prompt(row: PromptRow, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None,

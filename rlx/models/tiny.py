@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # transformers costs seconds to import: only the functions that build need it
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = string.ascii_letters + string.digits + string.punctuation + " \n"
@@ -22,6 +24,9 @@ CHAT_TEMPLATE = (
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """One token per printable ASCII character, plus pad/bos/eos/unk."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -34,6 +39,8 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> LlamaForCausalLM:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,

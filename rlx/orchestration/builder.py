@@ -6,12 +6,12 @@ model); colocated mode builds them all in one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from rlx.config import ConfigError, RunConfig
 from rlx.data import PromptRow, PromptStream, load_splits
@@ -36,6 +36,9 @@ from rlx.orchestration.workers import (
 )
 from rlx.rewards import build_judge_parser, build_reward
 from rlx.roles import Actor, ActorFwd, Advantages, Critic, GenRM, Reference, Reward, Rollout
+
+if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
+    from transformers import PreTrainedTokenizerBase
 
 
 def prepare_process(config: RunConfig, threads: int | None = None) -> None:

@@ -178,8 +178,9 @@ class RoleService:
 
     def _beat_forever(self) -> None:
         actor_name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
-        while not self.stopped.wait(HEARTBEAT_S):
+        while not self.stopped.is_set():  # the first beat at once: a replacement counts as back from it
             self.heartbeats.beat.remote(self.role, self.consumer, {**self.status(), "actor_name": actor_name})
+            self.stopped.wait(HEARTBEAT_S)
 
     def stop(self) -> None:
         """Finish in-flight work (a rollout completes the groups it started), then say goodbye."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import GenerationEngine, GenerationRequest, SamplingParams
 from rlx.rewards.judge import JudgeParser
+
+if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
+    from transformers import PreTrainedTokenizerBase
 
 
 class GenRM:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterator
-
-from transformers import PreTrainedTokenizerBase
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from rlx.data.rows import PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import GenerationEngine, GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
+    from transformers import PreTrainedTokenizerBase
 
 Group = tuple[int, PromptRow, list[int]]  # (group id, prompt row, prompt token ids)
 
@@ -46,7 +48,7 @@ class Rollout:
 
         refill = None
         if more_groups is not None:
-            refill = lambda free_slots: requests_for(more_groups(free_slots // n))  # noqa: E731
+            refill = lambda free_slots: requests_for(more_groups(free_slots // n))
         for result in self.engine.stream(requests_for(groups), params, refill=refill, between_steps=between_steps):
             group_id, row = owners.pop(result.request_id)
             yield Sample(

@@ -5,6 +5,9 @@ simulated by moving a replica's last beat into the past (standing in for a dead 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from rlx.bus import LocalBus
@@ -105,3 +108,15 @@ def test_step_reports_survive_a_lost_reply_and_a_replacement():
     replacement.add({"trainer_step": 3.0})
     assert [m["trainer_step"] for _, m in replacement.after(first[-1][0])] == [3]
     assert reports.drain() == [{"trainer_step": 4.0}] and reports.drain() == []
+
+
+def test_services_without_a_model_never_import_transformers():
+    """A replacement Reward or Advantages replica is back as soon as its process has imported what
+    it needs; transformers alone costs seconds, so only the services that load a model import it."""
+    probe = ("import sys\n"
+             "from rlx.config import RunConfig\n"
+             "from rlx.orchestration.services import build_advantages, build_reward_role\n"
+             "build_reward_role(RunConfig()), build_advantages(RunConfig())\n"
+             "print(sorted(m for m in ('transformers', 'reasoning_gym') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -11,16 +11,19 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlx.config import TrainConfig
 from rlx.engines.training.batch import TokenBatch
 from rlx.engines.training.forward import token_logprobs
 from rlx.engines.training.schedule import lr_multiplier
+
+if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 LossFn = Callable[[TokenBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 # (model, batch, with_entropy, bf16) -> ([B, R] per-response-token output, [B, R] entropy or None)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from rlx.engines.training.batch import TokenBatch
+
+if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
+    from transformers import PreTrainedModel
 
 
 def autocast_context(model: PreTrainedModel, bf16: bool):
