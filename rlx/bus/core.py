@@ -208,18 +208,21 @@ class BusIndex:
         }
 
     @staticmethod
-    def resumable(state: dict[str, Any], drop_groups: list[int], outputs: dict[str, str]) -> dict[str, Any]:
+    def resumable(state: dict[str, Any], drop_groups: list[int], outputs: dict[str, str],
+                  retake: frozenset[str] = frozenset()) -> dict[str, Any]:
         """A snapshot taken while consumers were working, made safe to restore into a new run:
         rows of `drop_groups` go (their producer will make them again), and a task's consumption
         mark stays only if its output field (`outputs[task]`) was written; otherwise the row is
-        handed to that task again. Tasks without an output field keep their marks."""
+        handed to that task again. Tasks without an output field keep their marks, except those in
+        `retake`, whose consumer restarts from state older than the snapshot and takes every row
+        still on the bus again."""
         dropped = set(drop_groups)
         counts = {g: c for g, c in state.get("rows_per_group", {}).items() if g not in dropped}
         rows = []
         for row_id, group_id, num_tokens, values, consumed in state["rows"]:
             if group_id in dropped:
                 continue
-            kept = [t for t in consumed if t not in outputs or outputs[t] in values]
+            kept = [t for t in consumed if t not in retake and (t not in outputs or outputs[t] in values)]
             rows.append((row_id, group_id, num_tokens, values, kept))
         return {**state, "rows": rows, "rows_per_group": counts}
 

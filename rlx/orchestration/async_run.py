@@ -194,8 +194,6 @@ class AsyncRun:
 
 def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
               echo: Callable[[str], None] = print) -> Path:
-    if resume and config.uses_critic:
-        raise ConfigError("async --resume does not restore a Critic yet: resume PPO runs with train.mode=colocate")
     check_faults(config)
     run_dir = prepare_run_dir(config, resume, overwrite)
     load_splits(config.data)  # bad data or a reward that cannot load stop the run before any service starts

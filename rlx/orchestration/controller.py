@@ -83,11 +83,13 @@ class Controller:
 
     def _restore(self, run_state: dict[str, Any]) -> None:
         """Groups unfinished at the checkpoint (fewer than n rows made) are made again; every other
-        row returns to the bus, handed again to any task whose output it lacks."""
+        row returns to the bus, handed again to any task whose output it lacks. The Critic resumes
+        from its own newest checkpoint, taken on its own clock: it trains again on the rows it
+        took that are still on the bus, as after a lost Critic."""
         bus, prompts = run_state["bus"], run_state["prompts"]
         made = bus.get("rows_per_group", {})
         redo = [g for g in prompts["unfinished"] if made.get(g, 0) < self.config.rollout.n]
-        self.bus.restore(BusIndex.resumable(bus, redo, TASK_OUTPUTS))
+        self.bus.restore(BusIndex.resumable(bus, redo, TASK_OUTPUTS, retake=frozenset({"critic_train"})))
         self.prompts.resume({"position": prompts["position"], "unfinished": redo,
                              "rolled_back": prompts.get("rolled_back", 0)})
 
