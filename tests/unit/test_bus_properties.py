@@ -110,3 +110,22 @@ def test_released_rows_go_back_to_the_task_only():
     bus.release("reward", rows[:1])  # the reward replica that held row 0 died before finishing it
     assert bus.take("reward", ["x"], 2, partial=True) == rows[:1]
     assert bus.take("train", ["x"], 1, partial=True) == []
+
+
+def test_a_resumable_snapshot_hands_back_unfinished_work_and_retaken_tasks():
+    """Resume: a group still being made goes; a task whose output is missing takes its row again; a
+    task without an output keeps its mark unless its consumer restarts from older state (`retake`)."""
+    bus = BusIndex(capacity=8)
+    done = bus.add_rows({"x": [1, 2]}, group_ids=[0, 0], num_tokens=[1, 1])
+    bus.add_rows({"x": [3]}, group_ids=[1], num_tokens=[1])  # group 1 was unfinished at the checkpoint
+    bus.take("reward", ["x"], 2)
+    bus.add_fields(done[:1], {"reward": [1.0]})  # row 1's reward died with the run
+    bus.take("train", ["x"], 2)
+    bus.take("critic_train", ["x"], 2)
+    state = BusIndex.resumable(bus.snapshot(), drop_groups=[1], outputs={"reward": "reward"},
+                               retake=frozenset({"critic_train"}))
+    resumed = BusIndex.restore(state)
+    assert sorted(resumed.rows) == done
+    assert resumed.take("reward", ["x"], 2, partial=True) == done[1:]
+    assert resumed.take("train", ["x"], 2, partial=True) == []
+    assert resumed.take("critic_train", ["x"], 2, partial=True) == done
