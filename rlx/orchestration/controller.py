@@ -98,7 +98,7 @@ class Controller:
         deployment = serve.deployment(
             RoleService, name=f"rlx-{role}", num_replicas=replicas,
             ray_actor_options={"num_cpus": res.num_cpus, "num_gpus": res.num_gpus},
-            health_check_period_s=2, health_check_timeout_s=60, max_ongoing_requests=8,
+            health_check_period_s=1, health_check_timeout_s=60, max_ongoing_requests=8,
             graceful_shutdown_timeout_s=DRAIN_S if role == "rollout" else 5,
         )
         app = deployment.bind(role, cfg.model_dump(mode="json"), self.shared)
