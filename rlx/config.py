@@ -68,6 +68,32 @@ class DataConfig(Section):
         return self
 
 
+class AutoscaleConfig(Section):
+    """Async mode: scale the rollout on bus back-pressure. Back-pressure is the rows waiting for the
+    trainer, as a fraction of what the staleness gate lets the rollout get ahead by
+    ((max_staleness + 1) steps of rows), averaged over `window_s`."""
+
+    enabled: bool = False
+    min_replicas: int = Field(1, ge=1, le=16)
+    max_replicas: int = Field(2, ge=1, le=16)
+    window_s: float = Field(30.0, gt=0.0, description="back-pressure is averaged over this long; a change "
+                            "waits this long after the last one")
+    scale_up_below: float = Field(0.25, ge=0.0, description="add a replica when back-pressure is below this: "
+                                  "the trainer finds little waiting, so generation is the bottleneck")
+    scale_down_above: float = Field(0.75, ge=0.0, description="remove a replica when back-pressure is above this: "
+                                    "the rollout runs ahead of the trainer and waits at the staleness gate")
+
+    @model_validator(mode="after")
+    def _bounds_are_ordered(self) -> AutoscaleConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"rollout.autoscale.min_replicas={self.min_replicas} exceeds "
+                             f"max_replicas={self.max_replicas}: raise max_replicas or lower min_replicas")
+        if self.scale_up_below >= self.scale_down_above:
+            raise ValueError(f"rollout.autoscale.scale_up_below={self.scale_up_below} must be below "
+                             f"scale_down_above={self.scale_down_above}, or the rollout would scale both ways at once")
+        return self
+
+
 class RolloutConfig(Section):
     engine: str = Field("hf", description="generation engine: hf, vllm (pip install 'rlx[vllm]'), sglang, "
                         "or one registered in GENERATION_ENGINES")
@@ -82,6 +108,7 @@ class RolloutConfig(Section):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end a response")
     max_batch_size: int = Field(64, ge=1, description="sequences decoded together")
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
 
     @model_validator(mode="after")
     def _engine_is_known(self) -> RolloutConfig:
@@ -318,6 +345,9 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if a.policy_loss == "gspo" and a.aggregation != "seq-mean-token-mean":
         problems.append(f"algorithm.policy_loss=gspo averages its sequence losses over sequences; with "
                         f"aggregation={a.aggregation} its gradient is GRPO's: set algorithm.aggregation=seq-mean-token-mean")
+    if c.rollout.autoscale.enabled and c.train.mode != "async":
+        problems.append("rollout.autoscale scales rollout replicas, which exist in async mode only: "
+                        "set train.mode=async, or rollout.autoscale.enabled=false")
     if c.reward.scope == "group" and ":" not in c.reward.name:
         problems.append(f"reward.scope=group needs a custom group reward (module:function); {c.reward.name!r} "
                         "scores one response at a time: set reward.scope=sample")

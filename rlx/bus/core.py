@@ -196,6 +196,8 @@ class BusIndex:
             "bus_capacity": float(self.capacity),
             "bus_oldest_row_age_s": max(ages, default=0.0),
             **{f"bus_{k}": float(v) for k, v in self.stats.items()},
+            # rows each task has yet to take, made or still being made: the bus's back-pressure
+            **{f"bus_waiting:{task}": float(len(rows)) for task, rows in self.open.items()},
         }
 
     def snapshot(self) -> dict[str, Any]:

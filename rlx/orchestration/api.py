@@ -2,7 +2,8 @@
 
 Reading is open to whoever can reach the loopback port; every call that changes the run needs
 the bearer token generated for this run and written, readable only by its owner, to
-`<run_dir>/api_token`. One scale operation runs at a time; a second one gets 409.
+`<run_dir>/api_token`. One scale operation (the API's or the autoscaler's) runs at a time; a
+second one gets 409.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from pydantic import BaseModel, Field
 MAX_ROLLOUT_REPLICAS = 16
 
 
+class ScaleInProgress(RuntimeError):
+    """Another scale operation (an API call or the autoscaler) is still running."""
+
+
 class RunControl(Protocol):
     """What the API can see and do; the async controller implements it."""
 
@@ -31,7 +36,8 @@ class RunControl(Protocol):
 
     def engines(self) -> list[dict[str, Any]]: ...
 
-    def scale(self, replicas: int) -> dict[str, Any]: ...
+    def scale(self, replicas: int) -> dict[str, Any]:
+        """Raises ScaleInProgress while another scale operation runs."""
 
     def checkpoint(self) -> str: ...
 
@@ -58,7 +64,6 @@ class Message(BaseModel):
 def build_api(control: RunControl, token: str) -> FastAPI:
     app = FastAPI(title="rlx management API", version="1")
     bearer = HTTPBearer(auto_error=False)
-    scaling = threading.Lock()
 
     def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if credentials is None or not secrets.compare_digest(credentials.credentials, token):
@@ -79,12 +84,10 @@ def build_api(control: RunControl, token: str) -> FastAPI:
               responses={401: {"model": Message}, 409: {"model": Message}})
     def scale(request: ScaleRequest) -> ScaleResult:
         """New replicas load the latest weights before they generate; removed ones finish or hand back their groups."""
-        if not scaling.acquire(blocking=False):
-            raise HTTPException(409, "a scale operation is already running; try again when it has finished")
         try:
             return ScaleResult(**control.scale(request.replicas))
-        finally:
-            scaling.release()
+        except ScaleInProgress as busy:
+            raise HTTPException(409, f"{busy}; try again when it has finished") from busy
 
     @app.post("/v1/checkpoint", dependencies=[Depends(require_token)], response_model=CheckpointResult,
               responses={401: {"model": Message}})

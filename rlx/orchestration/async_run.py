@@ -20,7 +20,8 @@ from rlx.config import ConfigError, RunConfig
 from rlx.data import load_splits
 from rlx.engines.generation.base import SamplingParams
 from rlx.obs import Alerts, MetricsWriter, plot_run
-from rlx.orchestration.api import ApiServer
+from rlx.orchestration.api import ApiServer, ScaleInProgress
+from rlx.orchestration.autoscaler import Autoscaler
 from rlx.orchestration.builder import (
     build_reward_role,
     build_rollout,
@@ -74,6 +75,10 @@ class AsyncRun:
         self.rollbacks: list = []  # global recoveries seen so far: (lost version, restored version)
         self.samples_rolled_back = 0
         self.cursors: dict[str, Cursor | None] = {"actor": None, "critic": None}  # the last report held
+        self.scaling = threading.Lock()  # one scale operation at a time: the API's or the autoscaler's
+        self.autoscaler: Autoscaler | None = None
+        self.autoscaling: threading.Thread | None = None
+        self.scale_events: list[dict[str, Any]] = []
 
     # -- RunControl ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -86,9 +91,18 @@ class AsyncRun:
     def engines(self) -> list[dict[str, Any]]:
         return self.health.replicas("rollout")
 
-    def scale(self, replicas: int) -> dict[str, Any]:
-        self.echo(f"scaling rollout to {replicas} replicas")
-        return self.controller.scale_rollout(replicas)
+    def scale(self, replicas: int, reason: str = "requested through the API") -> dict[str, Any]:
+        if not self.scaling.acquire(blocking=False):
+            raise ScaleInProgress("a scale operation is already running")
+        try:
+            self.echo(f"scaling rollout to {replicas} replicas ({reason})")
+            started = time.monotonic()
+            result = self.controller.scale_rollout(replicas)
+            self.scale_events.append({"step": self.step, **result, "reason": reason,
+                                      "seconds": time.monotonic() - started})
+            return result
+        finally:
+            self.scaling.release()
 
     def checkpoint(self) -> str:
         state = {"data_position": self.controller.prompts.state()["position"], "totals": {}}
@@ -126,6 +140,30 @@ class AsyncRun:
             self.alerts.notify("recovery", message)
         self.rollbacks = rollbacks
 
+    # -- autoscaling -----------------------------------------------------------------------------
+    def _autoscale(self) -> None:
+        """Read the bus's back-pressure; start a scale operation in the background when due, so the
+        loop keeps collecting steps while new replicas start."""
+        if self.autoscaler is None or self.scaling.locked():
+            return
+        now = time.monotonic()
+        self.autoscaler.observe(self.controller.bus.metrics().get("bus_waiting:train", 0.0), now)
+        target = self.autoscaler.decide(self.controller.rollout_replicas, now)
+        if target is None:
+            return
+        reason = f"autoscaler: back-pressure {self.autoscaler.back_pressure():.2f}"
+
+        def scale() -> None:
+            try:
+                self.scale(target, reason)
+            except ScaleInProgress:  # an API call got there first
+                pass
+            finally:
+                self.autoscaler.restart(time.monotonic())
+
+        self.autoscaling = threading.Thread(target=scale, name="rlx-autoscale", daemon=True)
+        self.autoscaling.start()
+
     # -- the loop --------------------------------------------------------------------------------
     def run(self, writer: MetricsWriter, started: float, resume: bool) -> None:
         cfg, t, c = self.config, self.config.train, self.controller
@@ -143,6 +181,10 @@ class AsyncRun:
                                     t.max_restarts_per_role, t.max_restarts, c.weights,
                                     global_recovery=frozenset({"actor", "critic"}))
         api = ApiServer(self, self.run_dir).start()
+        if cfg.rollout.autoscale.enabled:
+            r = cfg.rollout
+            self.autoscaler = Autoscaler(r.autoscale, (t.max_staleness + 1) * r.prompts_per_step * r.n,
+                                         time.monotonic())
         self.echo(f"management API on {api.url} (token in {self.run_dir / 'api_token'})")
         pending_faults, critic_steps = [f for f in cfg.faults if f.role != "actor"], []
         for fault in cfg.faults:  # the trainer fires these itself, at its own step
@@ -158,6 +200,7 @@ class AsyncRun:
                     self.echo(message)
                     self.alerts.notify("recovery", message)
                 self._follow_rollbacks()
+                self._autoscale()
                 if "critic" in c.handles:
                     critic_steps.extend(self._reports("critic"))
                 for metrics in self._reports("actor"):
@@ -165,7 +208,8 @@ class AsyncRun:
                     finished = metrics.pop("finished_at") - time.time() + time.perf_counter()
                     metrics.update(critic_steps.pop(0) if critic_steps else {})
                     metrics.update(self.health.busy(), wall_time_s=finished - started,
-                                   recoveries=float(len(self.health.recoveries)))
+                                   recoveries=float(len(self.health.recoveries)),
+                                   rollout_replicas=float(c.rollout_replicas))
                     if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                         metrics.update(evaluator())
                     writer.write(self.step, metrics)
@@ -177,12 +221,15 @@ class AsyncRun:
                 if t.time_budget_s is not None and time.perf_counter() - started > t.time_budget_s:
                     self.echo(f"time budget of {t.time_budget_s:.0f}s reached after {self.step} steps")
                     break
+            if self.autoscaling is not None:  # a scale operation in flight finishes before the roles stop
+                self.autoscaling.join()
             for role in ("rollout", "actor"):  # the actor may be mid-step, waiting for rows that will not come
                 c.call(role, "stop")
             self.checkpoint()
             (self.run_dir / "health.json").write_text(json.dumps(
                 {"recoveries": self.health.report(), "prompts": c.prompts.state(), "bus": c.bus.metrics(),
-                 "weights": c.weights.status(), "samples_rolled_back": self.samples_rolled_back}, indent=2))
+                 "weights": c.weights.status(), "samples_rolled_back": self.samples_rolled_back,
+                 "scaling": self.scale_events}, indent=2))
             final = evaluator()
             final["wall_time_s"] = time.perf_counter() - started
             writer.write(self.step, final)

@@ -13,8 +13,11 @@ from tests.integration.test_colocate_loop import toy_config
 
 def test_async_run_trains_within_staleness_and_leaves_no_processes(tiny_path, tmp_path):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+    # the autoscaler's thresholds here call for another engine whatever the back-pressure (its policy
+    # has unit tests): this run checks the operation end to end, and that its replica leaves no process
+    autoscale = {"enabled": True, "max_replicas": 2, "window_s": 2, "scale_up_below": 2.0, "scale_down_above": 3.0}
     config = toy_config(tiny_path, tmp_path, train__steps=6, train__mode="async", train__max_staleness=1,
-                        rollout__prompts_per_step=2)
+                        rollout__prompts_per_step=2, rollout__autoscale=autoscale)
     run_dir = run_async(config, echo=lambda _: None)
     records = read_metrics(run_dir)
     steps = [r for r in records if "reward_mean" in r]
@@ -26,6 +29,8 @@ def test_async_run_trains_within_staleness_and_leaves_no_processes(tiny_path, tm
     assert "eval_accuracy" in records[0] and "eval_accuracy" in records[-1]
     assert records[-1]["eval_weight_version"] == 6  # the driver evaluated the trained weights
     assert (run_dir / "checkpoints" / "step_000006" / "model.safetensors").exists()
+    (scaled,) = json.loads((run_dir / "health.json").read_text())["scaling"]
+    assert scaled["replicas_before"] == 1 and scaled["replicas"] == 2 and scaled["reason"].startswith("autoscaler")
     leftover = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE]
     assert not leftover, [p.cmdline()[:3] for p in leftover]

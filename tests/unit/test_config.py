@@ -184,6 +184,9 @@ def test_to_yaml_round_trip():
     ({"algorithm": {"policy_loss": "gspo"}}, "aggregation=seq-mean-token-mean"),
     ({"reward": {"scope": "group"}}, "reward.scope=sample"),
     ({"algorithm": {"kl_reference_refresh_every": 4}}, "set kl_coef>0"),
+    ({"rollout": {"autoscale": {"enabled": True}}}, "set train.mode=async"),
+    ({"rollout": {"autoscale": {"min_replicas": 3}}}, "raise max_replicas"),
+    ({"rollout": {"autoscale": {"scale_up_below": 0.8}}}, "scale both ways at once"),
 ])
 def test_algorithm_and_reward_choices_are_checked_together(raw, fix):
     with pytest.raises(ConfigError) as error:
