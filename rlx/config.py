@@ -249,7 +249,8 @@ class ResourcesConfig(Section):
 class FaultConfig(Section):
     """Fault injection for tests and drills: kill or hang one role's replica after a given step."""
 
-    role: str = Field(description="a role of this run: rollout, reward, advantages, reference, ...")
+    role: str = Field(description="a role of this run: rollout, reward, advantages, reference, ...; "
+                      "or dcs, the weight coordinator")
     at_step: int = Field(ge=1, description="the actor fires it right after its own step `at_step`; other "
                          "roles get it once the driver has seen that step")
     kind: Literal["kill", "hang"] = Field("kill", description="kill: the process exits; hang: its worker "

@@ -14,6 +14,7 @@ import threading
 import time
 
 import ray
+from ray import serve
 import torch
 
 from rlx.weights import WeightSync
@@ -63,7 +64,7 @@ def _memcpy_s(state: dict[str, torch.Tensor], repeats: int) -> float:
 def _publish_to_loaded(sync: WeightSync, publisher, state, version: int, subscribers: int) -> dict[str, float]:
     start = time.perf_counter()
     timings = publisher.publish(state, version)
-    while len(ray.get(sync.coordinator.acks.remote(version))) < subscribers:
+    while len(sync.acks(version)) < subscribers:
         time.sleep(0.002)
     return {**timings, "total_s": time.perf_counter() - start}
 
@@ -81,6 +82,7 @@ def run_weights_benchmark(repeats: int = 3, channels: tuple[str, ...] = ("object
     memcpy_s = _memcpy_s({str(k): t for k, t in unique.items()}, repeats)
     rows = []
     start_ray(num_cpus=8)
+    serve.start(proxy_location="Disabled")  # the DCS coordinator is a Serve application
     try:
         for channel in channels:
             for count in subscriber_counts:
@@ -93,7 +95,7 @@ def run_weights_benchmark(repeats: int = 3, channels: tuple[str, ...] = ("object
                 ray.get([e.stop.remote() for e in engines])
                 for engine in engines:
                     ray.kill(engine)
-                ray.kill(sync.coordinator)
+                sync.close()
                 total = statistics.median(r["total_s"] for r in runs)
                 rows.append({"channel": channel, "subscribers": count, "total_s": total,
                              "put_s": statistics.median(r["put_s"] for r in runs),

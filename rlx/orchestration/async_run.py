@@ -35,7 +35,7 @@ from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.health import HealthManager
 from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
 from rlx.orchestration.workers import Cursor
-from rlx.weights.sync import WeightReader, WeightSync
+from rlx.weights.sync import CoordinatorUnavailable, WeightReader, WeightSync
 
 POLL_S = 2.0  # status round trips cost CPU the roles need
 
@@ -58,7 +58,7 @@ class DriverEvaluator:
 
 
 def check_faults(config: RunConfig) -> None:
-    roles = role_names(config)
+    roles = [*role_names(config), "dcs"]  # the weight coordinator can be killed or hung too
     for fault in config.faults:
         if fault.role not in roles:
             raise ConfigError(f"faults: role {fault.role!r} is not part of this run; its roles are {', '.join(roles)}")
@@ -73,6 +73,9 @@ class AsyncRun:
         self.step = 0
         self.stop_requested = threading.Event()
         self.rollbacks: list = []  # global recoveries seen so far: (lost version, restored version)
+        self.dcs_incarnation: str | None = None
+        self.dcs_recoveries: list[dict[str, Any]] = []
+        self.dcs_fault_at: float | None = None
         self.samples_rolled_back = 0
         self.cursors: dict[str, Cursor | None] = {"actor": None, "critic": None}  # the last report held
         self.scaling = threading.Lock()  # one scale operation at a time: the API's or the autoscaler's
@@ -86,7 +89,7 @@ class AsyncRun:
         for beat in self.health.live.values():
             roles.setdefault(beat["role"], []).append(beat["status"])
         return {"step": self.step, "steps": self.config.train.steps, "roles": roles,
-                "recoveries": self.health.report(), "prompts": self.controller.prompts.state()}
+                "recoveries": self.health.report() + self.dcs_recoveries, "prompts": self.controller.prompts.state()}
 
     def engines(self) -> list[dict[str, Any]]:
         return self.health.replicas("rollout")
@@ -124,11 +127,20 @@ class AsyncRun:
             self.cursors[role] = reports[-1][0]
         return [metrics for _, metrics in reports]
 
-    def _follow_rollbacks(self) -> None:
+    def _follow_weights(self) -> None:
         """A restarted Actor published its checkpoint's weights as a rollback: the steps after the
         checkpoint are lost (their samples were trained into updates that died with the Actor), so
-        the step count goes back and their prompt groups give their place to new ones."""
-        rollbacks = self.controller.weights.status()["rollbacks"]
+        the step count goes back and their prompt groups give their place to new ones. A replaced
+        coordinator starts a new incarnation, with no rollbacks yet."""
+        try:  # a coordinator being replaced is looked at again at the next poll
+            status = self.controller.weights.call("status", reply_s=POLL_S, patience_s=POLL_S)
+        except CoordinatorUnavailable:
+            return
+        if status["incarnation"] != self.dcs_incarnation:
+            if self.dcs_incarnation is not None:
+                self._dcs_replaced()
+            self.dcs_incarnation, self.rollbacks = status["incarnation"], []
+        rollbacks = status["rollbacks"]
         for lost, restored in rollbacks[len(self.rollbacks):]:
             steps = max(0, lost - restored)
             self.controller.prompts.rollback(steps)
@@ -139,6 +151,17 @@ class AsyncRun:
             self.echo(message)
             self.alerts.notify("recovery", message)
         self.rollbacks = rollbacks
+
+    def _dcs_replaced(self) -> None:
+        after = None if self.dcs_fault_at is None else time.monotonic() - self.dcs_fault_at
+        # the driver's calls wait for the replacement, so the loss is noticed when it serves again
+        self.dcs_recoveries.append({"role": "dcs", "scope": "in place", "detected_after_s": after,
+                                    "replaced_after_s": after})
+        self.dcs_fault_at = None
+        message = ("recovered dcs: Serve replaced the weight coordinator; the Actor's next version fills it "
+                   "again and every subscriber registers again")
+        self.echo(message)
+        self.alerts.notify("recovery", message)
 
     # -- autoscaling -----------------------------------------------------------------------------
     def _autoscale(self) -> None:
@@ -199,7 +222,7 @@ class AsyncRun:
                                f"rows back on the bus, {r.groups_requeued} prompt groups handed out again")
                     self.echo(message)
                     self.alerts.notify("recovery", message)
-                self._follow_rollbacks()
+                self._follow_weights()
                 self._autoscale()
                 if "critic" in c.handles:
                     critic_steps.extend(self._reports("critic"))
@@ -216,8 +239,12 @@ class AsyncRun:
                 for fault in [f for f in pending_faults if f.at_step <= self.step]:
                     pending_faults.remove(fault)
                     self.echo(f"injecting fault: {fault.kind} {fault.role} after step {self.step}")
-                    c.call(fault.role, "inject_fault", fault.kind)
-                    self.health.fault_injected(fault.role)
+                    if fault.role == "dcs":
+                        self.dcs_fault_at = time.monotonic()
+                        c.weights.inject_fault(fault.kind)
+                    else:
+                        c.call(fault.role, "inject_fault", fault.kind)
+                        self.health.fault_injected(fault.role)
                 if t.time_budget_s is not None and time.perf_counter() - started > t.time_budget_s:
                     self.echo(f"time budget of {t.time_budget_s:.0f}s reached after {self.step} steps")
                     break
@@ -227,7 +254,8 @@ class AsyncRun:
                 c.call(role, "stop")
             self.checkpoint()
             (self.run_dir / "health.json").write_text(json.dumps(
-                {"recoveries": self.health.report(), "prompts": c.prompts.state(), "bus": c.bus.metrics(),
+                {"recoveries": self.health.report() + self.dcs_recoveries, "prompts": c.prompts.state(),
+                 "bus": c.bus.metrics(),
                  "weights": c.weights.status(), "samples_rolled_back": self.samples_rolled_back,
                  "scaling": self.scale_events}, indent=2))
             final = evaluator()

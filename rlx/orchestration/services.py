@@ -83,7 +83,7 @@ def _rollout(cfg: RunConfig, shared: Shared) -> Worker:
 
 
 def _actor(cfg: RunConfig, shared: Shared) -> Worker:
-    actor, publisher = build_actor(cfg, model_path(cfg)), shared.weights.publisher()
+    actor, publisher = build_actor(cfg, model_path(cfg)), shared.weights.publisher(refill=True)
     worker = actor_worker(cfg, actor, shared.bus, publish=lambda: publisher.publish(actor.weights(), actor.version),
                           max_staleness=cfg.train.max_staleness, with_actor_fwd=uses_actor_fwd(cfg),
                           max_steps=cfg.train.steps)
@@ -96,6 +96,7 @@ def _actor(cfg: RunConfig, shared: Shared) -> Worker:
         actor.engine.load_checkpoint(checkpoint)
         worker.restore(pickle.loads((checkpoint / "run_state.pkl").read_bytes()))
     publisher.publish(actor.weights(), actor.version, rollback=True)
+    worker.on_stop.append(publisher.close)
     return worker
 
 

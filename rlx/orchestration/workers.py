@@ -121,6 +121,27 @@ class Worker(abc.ABC):
         finally:
             self.busy_s += time.monotonic() - start
 
+    def _beating_while(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on a helper thread and keep beating until it returns: for a wait with a timeout
+        of its own (a weight publication while the coordinator is replaced), which is no hang."""
+        done = threading.Event()
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = fn()
+            except BaseException as error:  # re-raised on the worker's thread
+                outcome["error"] = error
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"rlx-{self.name}-wait", daemon=True).start()
+        while not done.wait(0.5):
+            self.beat()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
+
     def run_forever(self) -> None:
         self.started_at = time.monotonic()
 
@@ -451,7 +472,7 @@ class ActorWorker(Worker):
                 trained += len(trainable)
         metrics = self._timed(self.role.finish_step)
         publish_started = time.monotonic()
-        self._timed(self.publish)
+        self._timed(lambda: self._beating_while(self.publish))
         metrics["time_publish_s"] = time.monotonic() - publish_started
         # Rows leave the bus only once their step is done: an Actor lost mid-step hands them back.
         self.bus.clear_consumed(self.final_tasks)

@@ -1,4 +1,5 @@
-"""The DCS coordinator: one Ray actor that tracks weight versions, publishers and subscribers.
+"""The DCS coordinator: one Ray Serve deployment that tracks weight versions, publishers and
+subscribers.
 
 It never touches tensor bytes: the publisher puts each bucket into the object store and hands the
 coordinator the references. Subscribers long-poll `wait_newer`, load the version and
@@ -8,20 +9,27 @@ restarted engines start from it.
 
 Versions normally only grow. A global recovery of the Actor from a checkpoint publishes an older
 version with `rollback=True`: every newer version is forgotten and the subscribers load the
-checkpoint's weights. Subscribers therefore wait on `serial`, which counts accepted publications
-and never goes back.
+checkpoint's weights. Subscribers therefore wait on a `Position`: the coordinator's incarnation and
+its count of accepted publications, which never goes back within one incarnation.
+
+The coordinator is its own fault domain. Serve replaces a dead or hung replica in place; the new
+one starts empty, under a new incarnation. Clients retry until it answers (`WeightSync`), the
+Actor's next publication gives it the latest version again, and subscribers register again and
+take that version as new, since a position from another incarnation is older than any.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any
-
-import ray
 
 from rlx.weights.buckets import Bucket
+
+Position = tuple[str, int]  # (the coordinator's incarnation, the serial of one publication)
 
 
 @dataclass
@@ -29,7 +37,7 @@ class Version:
     version: int
     serial: int
     layout: list[Bucket]
-    refs: list[Any]  # one ObjectRef per bucket
+    refs: list  # one ObjectRef per bucket
     published_at: float
     broadcast: dict | None = None  # {"host", "port", "epoch", "ranks": {subscriber: rank}}
     acks: dict[str, float] = field(default_factory=dict)  # subscriber -> seconds from publish to loaded
@@ -56,15 +64,18 @@ def broadcast_ranks(members: list[str]) -> dict[str, int]:
     return {name: rank for rank, name in enumerate(sorted(members), start=1)}
 
 
-@ray.remote(num_cpus=0, max_concurrency=64)
 class WeightCoordinator:
+    """Every method is a coroutine: they all run on the replica's event loop, one at a time
+    between awaits, so no state needs a lock."""
+
     def __init__(self, subscriber_timeout_s: float = 60.0) -> None:
+        self.incarnation = uuid.uuid4().hex[:12]
         self.versions: dict[int, Version] = {}
         self.latest = -1
         self.serial = -1
         self.subscribers: dict[str, Subscriber] = {}
         self.subscriber_timeout_s = subscriber_timeout_s
-        self.epoch = 0
+        self.epoch = int(time.time() * 1000)  # broadcast groups of an earlier incarnation never match a new one
         self._members: tuple[str, ...] = ()
         self._changed = asyncio.Condition()
         self.released = 0
@@ -76,7 +87,7 @@ class WeightCoordinator:
         """Record `version` (ignored unless newer, or `rollback`). With `broadcast` (host, port),
         returns the epoch and ranks of the live broadcast subscribers that must receive it."""
         if version <= self.latest and not rollback:
-            return {"accepted": False, "latest": self.latest}
+            return {"accepted": False, "latest": self.latest, "incarnation": self.incarnation}
         if rollback:  # the versions after the checkpoint belong to a lost Actor: nobody may load them now
             if self.latest >= 0:
                 self.rollbacks.append((self.latest, version))
@@ -91,9 +102,9 @@ class WeightCoordinator:
         self._release()
         async with self._changed:
             self._changed.notify_all()
-        return {"accepted": True, "latest": version, **(broadcast or {})}
+        return {"accepted": True, "latest": version, "incarnation": self.incarnation, **(broadcast or {})}
 
-    def broadcast_failed(self, version: int) -> None:
+    async def broadcast_failed(self, version: int) -> None:
         """A broadcast did not complete: the next one forms a new group (its subscribers fall back
         to the object-store copy of this version)."""
         self._members = ()
@@ -106,35 +117,39 @@ class WeightCoordinator:
         return {"epoch": self.epoch, "ranks": broadcast_ranks(list(members))}
 
     # subscribers
-    def register(self, name: str, channel: str = "object-store", version: int = -1) -> None:
+    async def register(self, name: str, channel: str = "object-store", version: int = -1) -> None:
         self.subscribers[name] = Subscriber(name, channel, version)
 
-    def unregister(self, name: str) -> None:
-        self.mark_dead(name)
+    async def unregister(self, name: str) -> None:
+        await self.mark_dead(name)
 
-    def mark_dead(self, name: str) -> None:
+    async def mark_dead(self, name: str) -> None:
         """A dead subscriber holds no version back and leaves the broadcast group."""
         if name in self.subscribers:
             self.subscribers[name].alive = False
             self._release()
 
-    async def wait_newer(self, name: str | None, than_serial: int, timeout_s: float) -> dict | None:
-        """The latest version if published after `than_serial`, waiting up to `timeout_s` for one."""
+    def _is_newer(self, after: Position | None) -> bool:
+        """Something is published, and after `after` (a position from another incarnation is older)."""
+        return self.serial >= 0 and (after is None or after[0] != self.incarnation or self.serial > after[1])
+
+    async def wait_newer(self, name: str | None, after: Position | None, timeout_s: float) -> dict | None:
+        """The latest version if published after `after`, waiting up to `timeout_s` for one."""
         self._seen(name)
         async with self._changed:
-            if self.serial <= than_serial:
+            if not self._is_newer(after):
                 if timeout_s <= 0:  # asyncio.wait_for(..., 0) would give up before even looking
                     return None
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self.serial > than_serial), timeout_s)
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self._is_newer(after)), timeout_s)
                 except TimeoutError:
                     return None
         self._seen(name)
         record = self.versions[self.latest]
-        return {"version": record.version, "serial": record.serial, "layout": record.layout, "refs": record.refs,
-                "broadcast": record.broadcast}
+        return {"version": record.version, "position": (self.incarnation, record.serial), "layout": record.layout,
+                "refs": record.refs, "broadcast": record.broadcast}
 
-    def ack(self, name: str, version: int, load_s: float | None = None) -> None:
+    async def ack(self, name: str, version: int, load_s: float | None = None) -> None:
         record = self.versions.get(version)
         if record is not None:
             record.acks[name] = time.monotonic() - record.published_at if load_s is None else load_s
@@ -145,16 +160,21 @@ class WeightCoordinator:
         self._release()
 
     # introspection
-    def latest_version(self) -> int:
+    async def latest_version(self) -> int:
         return self.latest
 
-    def acks(self, version: int) -> dict[str, float]:
+    async def position_of_latest(self) -> tuple[str, int]:
+        """(incarnation, latest version): how a publisher sees that a replacement needs its version."""
+        return self.incarnation, self.latest
+
+    async def acks(self, version: int) -> dict[str, float]:
         record = self.versions.get(version)
         return dict(record.acks) if record else {}
 
-    def status(self) -> dict:
+    async def status(self) -> dict:
         self._expire()
         return {
+            "incarnation": self.incarnation,
             "latest": self.latest,
             "held": sorted(self.versions),
             "released": self.released,
@@ -163,6 +183,19 @@ class WeightCoordinator:
             "subscribers": {s.name: {"version": s.version, "alive": s.alive, "channel": s.channel}
                             for s in self.subscribers.values()},
         }
+
+    async def check_health(self) -> None:
+        """Serve's health check runs on the same event loop as every call: a blocked loop fails it,
+        and Serve replaces the replica."""
+
+    # fault injection (`faults` in the config, role "dcs")
+    async def inject_fault(self, kind: str) -> None:
+        """kill: the process exits a moment after answering; hang: the event loop blocks, so every
+        call and Serve's health check go unanswered."""
+        if kind == "kill":
+            threading.Timer(0.2, os._exit, args=(1,)).start()
+        else:
+            asyncio.get_running_loop().call_later(0.2, time.sleep, 10**6)
 
     def _seen(self, name: str | None) -> None:
         if name in self.subscribers:

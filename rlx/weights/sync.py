@@ -1,7 +1,8 @@
 """DCS clients: the Actor publishes versions, engines subscribe to them.
 
-`WeightSync` is the small picklable handle every service gets (the coordinator's handle and the
-channel settings). `publisher()` and `subscriber()` build the two ends.
+`WeightSync` is the small picklable handle every service gets (the coordinator's Serve handle and
+the channel settings). `publisher()` and `subscriber()` build the two ends. Calls to the
+coordinator retry while Serve replaces a lost coordinator, for up to `timeout_s`.
 
 Every version goes to the object store in buckets, so a new or restarted engine can always pull
 the latest version, never a checkpoint from disk. The buckets belong to the publishing process
@@ -19,14 +20,21 @@ weights, and each records the versions it was generated with.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 import torch
+from ray import serve
+from ray.serve.exceptions import RayServeException
+from ray.serve.handle import DeploymentHandle
 
 from rlx.weights.broadcast import BroadcastGroup, join_store, serve_store
 from rlx.weights.buckets import (
@@ -38,7 +46,7 @@ from rlx.weights.buckets import (
     to_arrays,
     unpack_flat,
 )
-from rlx.weights.coordinator import WeightCoordinator
+from rlx.weights.coordinator import Position, WeightCoordinator
 
 log = logging.getLogger(__name__)
 
@@ -51,49 +59,118 @@ class WeightSyncTimeout(TimeoutError):
     """No weight version arrived in time; the message says what waited and which setting to raise."""
 
 
+class CoordinatorUnavailable(ConnectionError):
+    """The coordinator did not answer within `weights.timeout_s`, retries included."""
+
+
+RETRY_S = 0.2  # between two tries while the coordinator is being replaced
+
+
+_OFF_LOOP = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlx-dcs-call")
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class WeightSync:
-    coordinator: ray.actor.ActorHandle
+    coordinator: DeploymentHandle
+    app: str  # the coordinator's Serve application
     channel: str = "object-store"
     bucket_bytes: int = 256 << 20
     timeout_s: float = 60.0
 
     @classmethod
     def create(cls, channel: str = "object-store", bucket_mb: float = 256, timeout_s: float = 60.0) -> WeightSync:
+        """Deploy a coordinator as its own Serve application (Serve must be running): Serve checks
+        its health every second and replaces it in place when it dies or hangs."""
         if channel not in CHANNELS:
             raise ValueError(f"weights.channel={channel!r} is not a channel; use one of {', '.join(CHANNELS)}")
-        return cls(WeightCoordinator.remote(), channel, int(bucket_mb * (1 << 20)), timeout_s)
+        deployment = serve.deployment(
+            WeightCoordinator, name="dcs", num_replicas=1, ray_actor_options={"num_cpus": 0},
+            max_ongoing_requests=1024,  # every subscriber keeps a long poll open
+            health_check_period_s=1, health_check_timeout_s=5)
+        app = f"rlx-dcs-{uuid.uuid4().hex[:8]}"
+        handle = serve.run(deployment.bind(), name=app, route_prefix=None)
+        return cls(handle, app, channel, int(bucket_mb * (1 << 20)), timeout_s)
 
-    def publisher(self) -> WeightPublisher:
-        return WeightPublisher(self)
+    def close(self) -> None:
+        serve.delete(self.app)
+
+    def call(self, method: str, *args: Any, reply_s: float = 30.0, patience_s: float | None = None,
+             stop: threading.Event | None = None) -> Any:
+        """A coordinator call, retried while Serve replaces a lost coordinator, for up to
+        `patience_s` (default `timeout_s`): a replacement starts empty, and every call here is safe
+        to repeat. An error raised by the coordinator itself is not retried; `stop` ends the
+        retries early (a closing subscriber)."""
+        if _on_event_loop():  # Serve refuses a blocking wait there (a replica's constructor runs on one)
+            return _OFF_LOOP.submit(self.call, method, *args, reply_s=reply_s, patience_s=patience_s,
+                                    stop=stop).result()
+        patience_s = self.timeout_s if patience_s is None else patience_s
+        deadline = time.monotonic() + patience_s
+        while True:
+            response = getattr(self.coordinator, method).remote(*args)
+            try:
+                return response.result(timeout_s=reply_s)
+            except ray.exceptions.RayTaskError:
+                raise
+            except (ray.exceptions.RayError, RayServeException, TimeoutError) as error:
+                response.cancel()  # not left queued on a hung replica
+                if time.monotonic() > deadline or (stop is not None and stop.is_set()):
+                    raise CoordinatorUnavailable(
+                        f"the weight coordinator (DCS) did not answer {method} within {patience_s:.0f}s "
+                        f"({type(error).__name__}); see `rlx status` and its Serve log, or raise "
+                        "weights.timeout_s") from error
+                time.sleep(RETRY_S)
+
+    def tell(self, method: str, *args: Any) -> None:
+        """A call nobody waits for (acks, goodbyes): lost if the coordinator is down, which is
+        harmless, since a replacement starts without the state it would update."""
+        getattr(self.coordinator, method).remote(*args)
+
+    def publisher(self, refill: bool = False) -> WeightPublisher:
+        return WeightPublisher(self, refill)
 
     def subscriber(self, name: str, load: Loader) -> WeightSubscriber:
         return WeightSubscriber(self, name, load)
 
     def version(self) -> int:
-        return ray.get(self.coordinator.latest_version.remote())
+        return self.call("latest_version")
 
     def status(self) -> dict:
-        return ray.get(self.coordinator.status.remote())
+        return self.call("status")
+
+    def acks(self, version: int) -> dict[str, float]:
+        return self.call("acks", version)
 
     def forget(self, subscriber: str) -> None:
         """Declare a subscriber dead (the HealthManager does, for replicas it replaced)."""
-        self.coordinator.mark_dead.remote(subscriber)
+        self.tell("mark_dead", subscriber)
 
-    def fetch_latest(self, than_serial: int = -1, wait_s: float = 0.0, name: str | None = None) -> Fetched | None:
-        """The latest version if it was published after `than_serial`, from the object store. Its
-        state dict views the buckets (zero-copy, read-only) while the `Fetched` is alive."""
-        record = ray.get(self.coordinator.wait_newer.remote(name, than_serial, wait_s))
+    def inject_fault(self, kind: str) -> None:
+        """Fault injection: kill or hang the coordinator's replica (`faults`, role `dcs`). Told,
+        not called: a retry would hit the replacement too."""
+        self.tell("inject_fault", kind)
+
+    def fetch_latest(self, after: Position | None = None, wait_s: float = 0.0, name: str | None = None) -> Fetched | None:
+        """The latest version if it was published after `after`, from the object store. Its state
+        dict views the buckets (zero-copy, read-only) while the `Fetched` is alive."""
+        record = self.call("wait_newer", name, after, wait_s, reply_s=wait_s + 30)
         if record is None:
             return None
-        return Fetched(record["version"], record["serial"], _from_object_store(record["layout"], record["refs"]),
+        return Fetched(record["version"], record["position"], _from_object_store(record["layout"], record["refs"]),
                        record["refs"])
 
 
 @dataclass
 class Fetched:
     version: int
-    serial: int  # the coordinator's count of publications: what "newer" means, rollbacks included
+    position: Position  # what "newer" means to the coordinator, rollbacks and its restarts included
     state_dict: StateDict
     refs: list  # keep the buckets alive while the state dict is in use
 
@@ -102,15 +179,15 @@ class WeightReader:
     """For a one-off reader, such as the driver's evaluator, that needs no subscription."""
 
     def __init__(self, sync: WeightSync) -> None:
-        self.sync, self.serial = sync, -1
+        self.sync, self.position = sync, None
 
     def pull(self, load: Loader) -> bool:
         """Load the latest version through `load(state_dict, version)` if it is new to us."""
-        fetched = self.sync.fetch_latest(than_serial=self.serial)
+        fetched = self.sync.fetch_latest(after=self.position)
         if fetched is None:
             return False
         load(fetched.state_dict, fetched.version)
-        self.serial = fetched.serial
+        self.position = fetched.position
         return True
 
 
@@ -123,9 +200,15 @@ def _from_object_store(layout: list[Bucket], refs: list) -> StateDict:
 
 class WeightPublisher:
     """The Actor's end. `publish` returns once the version is in the object store and, on a
-    broadcast channel, once every live subscriber has received it."""
+    broadcast channel, once every live subscriber has received it.
 
-    def __init__(self, sync: WeightSync) -> None:
+    With `refill` it keeps its last version's buckets and watches the coordinator: a replacement
+    starts empty, and an engine starting meanwhile may be what the Actor's next step waits for
+    (decoupled PPO's ActorFwd), so the publisher hands the replacement its last version at once."""
+
+    refill_s = 1.0  # how often a refilling publisher checks the coordinator
+
+    def __init__(self, sync: WeightSync, refill: bool = False) -> None:
         self.sync = sync
         self._layout: tuple[tuple, list[Bucket]] | None = None
         self._group: BroadcastGroup | None = None
@@ -133,6 +216,33 @@ class WeightPublisher:
         if sync.channel != "object-store":
             self.host = ray.util.get_node_ip_address()
             self._store = serve_store(self.host, sync.timeout_s)
+        self._last: tuple[int, list[Bucket], list] | None = None  # version, layout, bucket refs
+        self._incarnation: str | None = None  # of the coordinator that holds `_last`
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if refill:
+            self._watcher = threading.Thread(target=self._refill_forever, name="weights-publisher", daemon=True)
+            self._watcher.start()
+
+    def close(self) -> None:
+        """Stop watching: the thread must not be inside a Ray call when its process shuts Ray down."""
+        self._closed.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=self.refill_s + 10)
+
+    def _refill_forever(self) -> None:
+        while not self._closed.wait(self.refill_s):
+            try:
+                incarnation, latest = self.sync.call("position_of_latest", stop=self._closed)
+                last = self._last
+                if last is not None and incarnation != self._incarnation and latest < last[0]:
+                    version, layout, refs = last
+                    result = self.sync.call("publish", version, layout, refs, None, False, stop=self._closed)
+                    self._incarnation = result.get("incarnation", self._incarnation)
+                    log.warning("the weight coordinator was replaced: handed it version %d again", version)
+            except Exception as error:  # keep watching: the coordinator may be on its way back
+                if not self._closed.is_set():
+                    log.warning("weight publisher: %s", error)
 
     def layout(self, state_dict: StateDict) -> list[Bucket]:
         key = tuple((name, tuple(t.shape), t.dtype) for name, t in state_dict.items())
@@ -149,7 +259,9 @@ class WeightPublisher:
         refs = [ray.put(to_arrays(state_dict, bucket)) for bucket in layout]
         put_s = time.monotonic() - started
         broadcast = None if self._store is None else {"host": self.host, "port": self._store.port}
-        result = ray.get(self.sync.coordinator.publish.remote(version, layout, refs, broadcast, rollback))
+        result = self.sync.call("publish", version, layout, refs, broadcast, rollback)
+        if result["accepted"] and self._watcher is not None:
+            self._last, self._incarnation = (version, layout, refs), result["incarnation"]
         broadcast_s = 0.0
         if result["accepted"] and result.get("ranks"):
             broadcast_started = time.monotonic()
@@ -159,7 +271,7 @@ class WeightPublisher:
                 log.warning("weight broadcast of version %d failed (%s); subscribers fall back to the object store",
                             version, error)
                 self._group = None
-                ray.get(self.sync.coordinator.broadcast_failed.remote(version))
+                self.sync.tell("broadcast_failed", version)
             broadcast_s = time.monotonic() - broadcast_started
         return {"put_s": put_s, "broadcast_s": broadcast_s}
 
@@ -180,7 +292,7 @@ class WeightSubscriber:
     def __init__(self, sync: WeightSync, name: str, load: Loader) -> None:
         self.sync, self.name, self.load = sync, name, load
         self.version = -1
-        self._serial = -1
+        self._position: Position | None = None
         self._pending: tuple[Fetched, float] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -194,14 +306,14 @@ class WeightSubscriber:
         """Load the latest published version (waiting up to `wait_s` for the first one), register,
         and start receiving. Returns the version loaded."""
         wait_s = self.sync.timeout_s if wait_s is None else wait_s
-        latest = self.sync.fetch_latest(than_serial=-1, wait_s=wait_s, name=self.name)
+        latest = self.sync.fetch_latest(wait_s=wait_s, name=self.name)
         if latest is None:
             raise WeightSyncTimeout(f"weight subscriber {self.name!r} waited {wait_s:.0f} s for a first weight version "
                                     "and none was published; is the Actor running? (raise weights.timeout_s)")
         self.load(latest.state_dict, latest.version)
-        self.version, self._serial = latest.version, latest.serial
-        ray.get(self.sync.coordinator.register.remote(self.name, self.sync.channel, latest.version))
-        self.sync.coordinator.ack.remote(self.name, latest.version)
+        self.version, self._position = latest.version, latest.position
+        self.sync.call("register", self.name, self.sync.channel, latest.version)
+        self.sync.tell("ack", self.name, latest.version)
         self._thread = threading.Thread(target=self._receive_forever, name=f"weights-{self.name}", daemon=True)
         self._thread.start()
         return latest.version
@@ -215,7 +327,7 @@ class WeightSubscriber:
         fetched, received_at = pending
         self.load(fetched.state_dict, fetched.version)
         self.version = fetched.version
-        self.sync.coordinator.ack.remote(self.name, fetched.version, time.monotonic() - received_at)
+        self.sync.tell("ack", self.name, fetched.version, time.monotonic() - received_at)
         return True
 
     def close(self) -> None:
@@ -225,22 +337,25 @@ class WeightSubscriber:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.poll_s + 10)
         try:
-            self.sync.coordinator.unregister.remote(self.name)
+            self.sync.tell("unregister", self.name)
         except Exception as error:  # the cluster may be going down with us; the coordinator then goes too
             log.debug("weight subscriber %s could not unregister: %s", self.name, error)
 
     def _receive_forever(self) -> None:
-        received = self._serial
+        received = self._position
         while not self._stop.is_set():
             try:
-                record = ray.get(self.sync.coordinator.wait_newer.remote(self.name, received, self.poll_s))
+                record = self.sync.call("wait_newer", self.name, received, self.poll_s, reply_s=self.poll_s + 30,
+                                        stop=self._stop)
                 if record is None:
                     continue
+                if received is not None and record["position"][0] != received[0]:  # a replaced coordinator
+                    self.sync.call("register", self.name, self.sync.channel, self.version)
                 started = time.monotonic()
-                fetched = Fetched(record["version"], record["serial"], self._receive(record), record["refs"])
+                fetched = Fetched(record["version"], record["position"], self._receive(record), record["refs"])
                 with self._lock:
                     self._pending = (fetched, started)
-                received = record["serial"]
+                received = record["position"]
             except SystemExit:  # Ray shut down under this thread (the process is ending)
                 return
             except Exception as error:  # keep receiving: the next version may well arrive

@@ -1,6 +1,8 @@
-"""DCS on a real Ray cluster: the driver publishes a tiny model's weights, engine actors subscribe.
+"""DCS on a real Ray cluster: the driver publishes a tiny model's weights, engine actors subscribe,
+and the coordinator is a Serve application.
 
-Killing a subscriber with `ray.kill` stands in for a crashed engine (fault injection)."""
+Killing a subscriber with `ray.kill` stands in for a crashed engine, and the coordinator's own
+`inject_fault` kills its process (fault injection)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 import pytest
 import ray
 import torch
+from ray import serve
 
 from rlx.models import load_pretrained
 from rlx.orchestration.cluster import start_ray, stop_ray
@@ -59,8 +62,18 @@ def _until(engines, version: int, timeout: float = 30.0) -> None:
 @pytest.fixture(scope="module")
 def cluster():
     start_ray(num_cpus=6)
+    serve.start(proxy_location="Disabled")  # each test's DCS coordinator is a Serve application
     yield
     stop_ray()
+
+
+@pytest.fixture(autouse=True)
+def remove_coordinators(cluster):
+    """Each test deploys its own coordinator; it goes with the test."""
+    yield
+    for app in serve.status().applications:
+        if app.startswith("rlx-dcs-"):
+            serve.delete(app)
 
 
 @pytest.fixture()
@@ -126,6 +139,33 @@ def test_a_reader_pulls_each_new_version_without_waiting(cluster, model):
     assert reader.pull(lambda state, version: loaded.append(version))
     assert not reader.pull(lambda state, version: loaded.append(version))  # nothing new
     assert loaded == [0, 1]
+
+
+def test_a_replaced_coordinator_gets_the_last_version_back_at_once(cluster, model, tiny_path):
+    """The coordinator dies; Serve replaces it in place, empty. The publisher hands it its last
+    version at once, so an engine starting meanwhile need not wait for the next training step (which
+    may be waiting for that very engine); the subscribed engine registers again and follows the
+    next version."""
+    sync = WeightSync.create("object-store", timeout_s=60)
+    publisher = sync.publisher(refill=True)
+    publisher.publish(model.state_dict(), 0)
+    engine = Engine.remote(sync, "engine", str(tiny_path))
+    assert ray.get(engine.start.remote()) == 0
+    before = sync.status()["incarnation"]
+    sync.inject_fault("kill")
+    time.sleep(1.0)  # the kill lands a moment after the call returns
+    late = Engine.remote(sync, "late", str(tiny_path))
+    assert ray.get(late.start.remote()) == 0  # from the refilled replacement
+    status = sync.status()
+    assert status["incarnation"] != before and status["latest"] == 0
+    state = _perturbed(model, 1)
+    publisher.publish(state, 1)
+    _until([engine, late], 1)
+    assert ray.get(engine.checksum.remote()) == pytest.approx(_checksum(state), rel=1e-9)
+    assert set(sync.status()["subscribers"]) == {"engine", "late"}  # the engine registered again
+    publisher.close()
+    for actor in (engine, late):
+        ray.kill(actor)
 
 
 def test_an_engine_waits_for_a_first_version_and_says_why_it_gave_up(cluster, tiny_path):

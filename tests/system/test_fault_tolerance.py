@@ -27,14 +27,17 @@ def paced_async_config(tiny_path, tmp_path, **overrides):
 def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
     # the trainer cannot outrun a dead producer by more than max_staleness steps, so every fault must be
     # recovered for the run to reach its last step
-    # KL to a reference and decoupled PPO bring in the Reference and ActorFwd roles, killed too
+    # KL to a reference and decoupled PPO bring in the Reference and ActorFwd roles, killed too; the DCS
+    # coordinator is killed, then hung
     config = paced_async_config(tiny_path, tmp_path, train__steps=20, train__hang_timeout_s=6,
                                 algorithm__kl_coef=0.05, algorithm__behavior_correction="decoupled")
     config.faults = [FaultConfig(role="reward", at_step=2, kind="kill"),
                      FaultConfig(role="rollout", at_step=4, kind="kill"),
                      FaultConfig(role="advantages", at_step=6, kind="hang"),
                      FaultConfig(role="reference", at_step=8, kind="kill"),
-                     FaultConfig(role="actor_fwd", at_step=10, kind="kill")]
+                     FaultConfig(role="actor_fwd", at_step=10, kind="kill"),
+                     FaultConfig(role="dcs", at_step=12, kind="kill"),  # the weight coordinator
+                     FaultConfig(role="dcs", at_step=15, kind="hang")]
     run_dir = run_async(config, echo=print)
 
     steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
@@ -45,8 +48,9 @@ def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
 
     health = json.loads((run_dir / "health.json").read_text())
     recovered = {r["role"]: r for r in health["recoveries"]}
-    assert set(recovered) == {"reward", "rollout", "advantages", "reference", "actor_fwd"}, health
-    for recovery in recovered.values():  # each role was noticed dead and served again by a new replica
+    assert set(recovered) == {"reward", "rollout", "advantages", "reference", "actor_fwd", "dcs"}, health
+    assert [r["role"] for r in health["recoveries"]].count("dcs") == 2  # killed, then hung
+    for recovery in health["recoveries"]:  # each role was noticed dead and served again by a new replica
         assert recovery["detected_after_s"] is not None and recovery["replaced_after_s"] is not None
         print(f"{recovery['role']}: noticed after {recovery['detected_after_s']:.1f}s, "
               f"back after {recovery['replaced_after_s']:.1f}s")

@@ -58,3 +58,28 @@ def test_a_version_is_released_only_when_every_live_subscriber_has_passed_it():
 
 def test_broadcast_ranks_are_agreed_by_name():
     assert broadcast_ranks(["b", "a", "c"]) == {"a": 1, "b": 2, "c": 3}
+
+
+def test_a_position_from_another_incarnation_is_older_than_any_publication():
+    """Subscribers wait on (incarnation, publication count): a replaced coordinator starts counting
+    again, and its first version must still be new to everyone who held a version of the old one."""
+    import asyncio
+
+    from rlx.weights.coordinator import WeightCoordinator
+
+    async def scenario():
+        old, new = WeightCoordinator(), WeightCoordinator()
+        await old.publish(0, [], [])
+        await old.publish(1, [], [])
+        held = (await old.wait_newer("engine", None, 0))["position"]
+        assert held == (old.incarnation, 1)
+        assert await old.wait_newer("engine", held, 0) is None  # nothing newer in the same incarnation
+        assert await new.wait_newer("engine", held, 0) is None  # a replacement with nothing published yet
+        waiter = asyncio.create_task(new.wait_newer("engine", held, 5))
+        await new.publish(2, [], [])  # the Actor's next version fills the replacement
+        record = await waiter
+        assert record["version"] == 2 and record["position"] == (new.incarnation, 0)
+        await new.publish(1, [], [], rollback=True)  # a rollback is new too: the count never goes back
+        assert (await new.wait_newer("engine", record["position"], 0))["version"] == 1
+
+    asyncio.run(scenario())
