@@ -231,7 +231,7 @@ class AsyncRun:
                     finished = metrics.pop("finished_at") - time.time() + time.perf_counter()
                     metrics.update(critic_steps.pop(0) if critic_steps else {})
                     metrics.update(self.health.busy(), wall_time_s=finished - started,
-                                   recoveries=float(len(self.health.recoveries)),
+                                   recoveries=float(len(self.health.recoveries) + len(self.dcs_recoveries)),
                                    rollout_replicas=float(c.rollout_replicas))
                     if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                         metrics.update(evaluator())
@@ -262,7 +262,8 @@ class AsyncRun:
             final["wall_time_s"] = time.perf_counter() - started
             writer.write(self.step, final)
             self.alerts.notify("finished", f"{self.step} steps in {final['wall_time_s']:.0f}s; held-out accuracy "
-                               f"{final.get('eval_accuracy', float('nan')):.3f}; {len(self.health.recoveries)} recoveries")
+                               f"{final.get('eval_accuracy', float('nan')):.3f}; "
+                               f"{len(self.health.recoveries) + len(self.dcs_recoveries)} recoveries")
         finally:
             api.stop()
 

@@ -50,6 +50,7 @@ def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
     recovered = {r["role"]: r for r in health["recoveries"]}
     assert set(recovered) == {"reward", "rollout", "advantages", "reference", "actor_fwd", "dcs"}, health
     assert [r["role"] for r in health["recoveries"]].count("dcs") == 2  # killed, then hung
+    assert steps[-1]["recoveries"] == 7  # the five roles and the coordinator twice, all counted
     for recovery in health["recoveries"]:  # each role was noticed dead and served again by a new replica
         assert recovery["detected_after_s"] is not None and recovery["replaced_after_s"] is not None
         print(f"{recovery['role']}: noticed after {recovery['detected_after_s']:.1f}s, "
