@@ -14,8 +14,8 @@ import threading
 import time
 
 import ray
-from ray import serve
 import torch
+from ray import serve
 
 from rlx.weights import WeightSync
 

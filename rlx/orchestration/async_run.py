@@ -75,7 +75,6 @@ class AsyncRun:
         self.rollbacks: list = []  # global recoveries seen so far: (lost version, restored version)
         self.dcs_incarnation: str | None = None
         self.dcs_recoveries: list[dict[str, Any]] = []
-        self.dcs_fault_at: float | None = None
         self.samples_rolled_back = 0
         self.cursors: dict[str, Cursor | None] = {"actor": None, "critic": None}  # the last report held
         self.scaling = threading.Lock()  # one scale operation at a time: the API's or the autoscaler's
@@ -153,11 +152,11 @@ class AsyncRun:
         self.rollbacks = rollbacks
 
     def _dcs_replaced(self) -> None:
-        after = None if self.dcs_fault_at is None else time.monotonic() - self.dcs_fault_at
+        injected = self.health.faults_at.pop("dcs", None)
+        after = None if injected is None else time.monotonic() - injected
         # the driver's calls wait for the replacement, so the loss is noticed when it serves again
         self.dcs_recoveries.append({"role": "dcs", "scope": "in place", "detected_after_s": after,
                                     "replaced_after_s": after})
-        self.dcs_fault_at = None
         message = ("recovered dcs: Serve replaced the weight coordinator; the Actor's next version fills it "
                    "again and every subscriber registers again")
         self.echo(message)
@@ -179,8 +178,8 @@ class AsyncRun:
         def scale() -> None:
             try:
                 self.scale(target, reason)
-            except ScaleInProgress:  # an API call got there first
-                pass
+            except ScaleInProgress:  # an API call got there first; the next window decides again
+                self.echo(f"autoscaler: no scale to {target} replicas, an API scale operation is running")
             finally:
                 self.autoscaler.restart(time.monotonic())
 
@@ -240,11 +239,10 @@ class AsyncRun:
                     pending_faults.remove(fault)
                     self.echo(f"injecting fault: {fault.kind} {fault.role} after step {self.step}")
                     if fault.role == "dcs":
-                        self.dcs_fault_at = time.monotonic()
                         c.weights.inject_fault(fault.kind)
                     else:
                         c.call(fault.role, "inject_fault", fault.kind)
-                        self.health.fault_injected(fault.role)
+                    self.health.fault_injected(fault.role)
                 if t.time_budget_s is not None and time.perf_counter() - started > t.time_budget_s:
                     self.echo(f"time budget of {t.time_budget_s:.0f}s reached after {self.step} steps")
                     break

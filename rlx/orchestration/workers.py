@@ -97,6 +97,7 @@ class Worker(abc.ABC):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_stop: list[Callable[[], None]] = []  # resources to release with the worker (a weight subscription)
+        self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rlx-{name}-wait")  # `_beating_while`
 
     @abc.abstractmethod
     def work_once(self) -> int:
@@ -124,23 +125,10 @@ class Worker(abc.ABC):
     def _beating_while(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on a helper thread and keep beating until it returns: for a wait with a timeout
         of its own (a weight publication while the coordinator is replaced), which is no hang."""
-        done = threading.Event()
-        outcome: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                outcome["value"] = fn()
-            except BaseException as error:  # re-raised on the worker's thread
-                outcome["error"] = error
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name=f"rlx-{self.name}-wait", daemon=True).start()
-        while not done.wait(0.5):
+        future = self._helper.submit(fn)
+        while not wait([future], timeout=0.5).done:
             self.beat()
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome.get("value")
+        return future.result()
 
     def run_forever(self) -> None:
         self.started_at = time.monotonic()

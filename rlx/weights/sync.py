@@ -241,7 +241,7 @@ class WeightPublisher:
                 if last is not None and incarnation != self._incarnation and latest < last[0]:
                     version, layout, refs = last
                     result = self.sync.call("publish", version, layout, refs, None, False, stop=self._closed)
-                    self._incarnation = result.get("incarnation", self._incarnation)
+                    self._incarnation = result["incarnation"]
                     log.warning("the weight coordinator was replaced: handed it version %d again", version)
             except Exception as error:  # keep watching: the coordinator may be on its way back
                 if not self._closed.is_set():
