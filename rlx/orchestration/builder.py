@@ -36,6 +36,7 @@ from rlx.orchestration.workers import (
 )
 from rlx.rewards import build_judge_parser, build_reward
 from rlx.roles import Actor, ActorFwd, Advantages, Critic, GenRM, Reference, Reward, Rollout
+from rlx.weights.buckets import flatten_parameters
 
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
     from transformers import PreTrainedTokenizerBase
@@ -104,6 +105,8 @@ def build_teacher(config: RunConfig, student_vocab: int) -> Reference:
 
 def build_actor(config: RunConfig, path: Path) -> Actor:
     model, tokenizer = load_pretrained(path, "float32", config.resources.device)
+    # parameters in publish-ready buckets: each DCS publish is then one copy per bucket, no packing
+    flatten_parameters(model, int(config.weights.bucket_mb * (1 << 20)))
     engine = TrainingEngine(model, tokenizer, config.train, config.rollout.temperature)
     return Actor(engine, config.algorithm, tokenizer.pad_token_id)
 

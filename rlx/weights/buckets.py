@@ -1,7 +1,7 @@
 """Split a state dict into size-bounded buckets and rebuild it on the other side.
 
-A bucket is a list of tensors sent as one object (object-store channel) or one flat byte buffer
-(broadcast channels). Tensors travel as raw bytes with their dtype and shape beside them, so any
+A bucket is a list of tensors that travels as one flat byte buffer (an object in the object
+store, or one broadcast). Tensors travel as raw bytes with their dtype and shape beside them, so any
 dtype works (numpy has no bfloat16). Tensors that share storage (tied embeddings) travel once and
 come back under every name.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 ALIGN = 64  # byte offset alignment inside a flat bucket, so every view is aligned for its dtype
@@ -68,13 +67,7 @@ def plan_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def to_arrays(state_dict: dict[str, torch.Tensor], bucket: Bucket) -> list[np.ndarray]:
-    """The bucket's tensors as byte arrays that view the tensors' own memory (no copy on CPU): the
-    object store copies them once, when they are put."""
-    return [_as_bytes(state_dict[spec.name]).numpy() for spec in bucket]
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _named(tensors: list[torch.Tensor], bucket: Bucket) -> dict[str, torch.Tensor]:
@@ -83,20 +76,6 @@ def _named(tensors: list[torch.Tensor], bucket: Bucket) -> dict[str, torch.Tenso
         for name in (spec.name, *spec.aliases):
             out[name] = tensor
     return out
-
-
-def from_arrays(arrays: list[np.ndarray], bucket: Bucket) -> dict[str, torch.Tensor]:
-    """Tensors that view the arrays (zero-copy from the object store, so they are read-only:
-    engines copy them into their parameters or use them for inference only)."""
-    if len(arrays) != len(bucket):
-        raise ValueError(f"a bucket of {len(bucket)} tensors arrived with {len(arrays)} arrays")
-    tensors = []
-    with warnings.catch_warnings():  # object-store buffers are read-only by design; say it once, here
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        for spec, array in zip(bucket, arrays):
-            raw = torch.frombuffer(memoryview(array), dtype=torch.uint8) if array.nbytes else torch.empty(0, dtype=torch.uint8)
-            tensors.append(raw.view(spec.torch_dtype).view(spec.shape))
-    return _named(tensors, bucket)
 
 
 def _offsets(bucket: Bucket) -> tuple[list[int], int]:
@@ -111,13 +90,74 @@ def flat_size(bucket: Bucket) -> int:
     return _offsets(bucket)[1]
 
 
-def pack_flat(state_dict: dict[str, torch.Tensor], bucket: Bucket) -> torch.Tensor:
-    """One contiguous byte buffer holding the bucket (what a broadcast sends)."""
+def _empty_flat(bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """An uninitialised flat buffer for the bucket, with only its alignment padding zeroed (so the
+    bytes sent are deterministic), and the tensors' offsets."""
     offsets, size = _offsets(bucket)
-    flat = torch.empty(size, dtype=torch.uint8)
+    flat = torch.empty(size, dtype=torch.uint8, device=device)
+    for spec, offset, end in zip(bucket, offsets, [*offsets[1:], size]):
+        flat[offset + spec.nbytes : end].zero_()
+    return flat, offsets
+
+
+def pack_flat(state_dict: dict[str, torch.Tensor], bucket: Bucket) -> torch.Tensor:
+    """One contiguous byte buffer holding the bucket, on the tensors' device (a copy)."""
+    flat, offsets = _empty_flat(bucket, state_dict[bucket[0].name].device)
     for spec, offset in zip(bucket, offsets):
         flat[offset : offset + spec.nbytes] = _as_bytes(state_dict[spec.name])
     return flat
+
+
+def flat_view(state_dict: dict[str, torch.Tensor], bucket: Bucket) -> torch.Tensor | None:
+    """The bucket as one byte buffer without a copy, when its tensors already sit in one storage
+    at the bucket's offsets (a model after `flatten_parameters`); None otherwise."""
+    offsets, size = _offsets(bucket)
+    first = state_dict[bucket[0].name]
+    storage = first.untyped_storage()
+    base = first.data_ptr()
+    for spec, offset in zip(bucket, offsets):
+        tensor = state_dict[spec.name]
+        if (not tensor.is_contiguous() or tensor.data_ptr() != base + offset or tensor.device != first.device
+                or tensor.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+    start = base - storage.data_ptr()
+    if start + size > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (size,))
+
+
+def flat_bucket(state_dict: dict[str, torch.Tensor], bucket: Bucket) -> torch.Tensor:
+    """The bucket as one byte buffer: a view when the model is flattened, else a packed copy.
+    One buffer per bucket is what makes a publish cost one memory copy: Ray copies a single large
+    buffer into the object store at memcpy speed, but pays per buffer for hundreds of tensors."""
+    view = flat_view(state_dict, bucket)
+    return pack_flat(state_dict, bucket) if view is None else view
+
+
+def flatten_parameters(module: torch.nn.Module, bucket_bytes: int) -> list[Bucket]:
+    """Move the module's parameters and buffers into one storage per bucket, laid out as
+    `plan_buckets` plans its state dict, so publishing its weights needs no packing copy. Call it
+    before an optimizer is built: parameters keep their identity, but their data moves."""
+    state = module.state_dict(keep_vars=True)
+    layout = plan_buckets(state, bucket_bytes)
+    for bucket in layout:
+        flat, offsets = _empty_flat(bucket, state[bucket[0].name].device)
+        for spec, offset in zip(bucket, offsets):
+            tensor = state[spec.name]
+            view = flat[offset : offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
+            view.copy_(tensor.detach())
+            tensor.data = view
+    return layout
+
+
+def flat_from_buffer(buffer) -> torch.Tensor:
+    """A byte tensor over a buffer from the object store: zero-copy and read-only, so engines copy
+    it into their parameters or use it for inference only."""
+    if memoryview(buffer).nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # object-store buffers are read-only by design; say it once, here
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(memoryview(buffer), dtype=torch.uint8)
 
 
 def unpack_flat(flat: torch.Tensor, bucket: Bucket) -> dict[str, torch.Tensor]:

@@ -158,6 +158,20 @@ class WeightCoordinator:
             subscriber.version = max(subscriber.version, version)
             subscriber.last_seen = time.monotonic()
         self._release()
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_acked(self, version: int, count: int, timeout_s: float) -> dict[str, float]:
+        """The acks of `version`, once `count` subscribers have loaded it or `timeout_s` passed."""
+        def enough() -> bool:
+            return version in self.versions and len(self.versions[version].acks) >= count
+
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(enough), timeout_s)
+            except TimeoutError:
+                pass
+        return await self.acks(version)
 
     # introspection
     async def latest_version(self) -> int:

@@ -37,15 +37,7 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from rlx.weights.broadcast import BroadcastGroup, join_store, serve_store
-from rlx.weights.buckets import (
-    Bucket,
-    flat_size,
-    from_arrays,
-    pack_flat,
-    plan_buckets,
-    to_arrays,
-    unpack_flat,
-)
+from rlx.weights.buckets import Bucket, flat_bucket, flat_from_buffer, flat_size, plan_buckets, unpack_flat
 from rlx.weights.coordinator import Position, WeightCoordinator
 
 log = logging.getLogger(__name__)
@@ -151,6 +143,10 @@ class WeightSync:
     def acks(self, version: int) -> dict[str, float]:
         return self.call("acks", version)
 
+    def wait_acked(self, version: int, count: int, timeout_s: float) -> dict[str, float]:
+        """Block until `count` subscribers have loaded `version` (or `timeout_s` passed); its acks."""
+        return self.call("wait_acked", version, count, timeout_s, reply_s=timeout_s + 30)
+
     def forget(self, subscriber: str) -> None:
         """Declare a subscriber dead (the HealthManager does, for replicas it replaced)."""
         self.tell("mark_dead", subscriber)
@@ -196,8 +192,8 @@ class WeightReader:
 
 def _from_object_store(layout: list[Bucket], refs: list) -> StateDict:
     state: StateDict = {}
-    for bucket, arrays in zip(layout, ray.get(list(refs))):
-        state.update(from_arrays(arrays, bucket))
+    for bucket, buffer in zip(layout, ray.get(list(refs))):
+        state.update(unpack_flat(flat_from_buffer(buffer), bucket))
     return state
 
 
@@ -259,7 +255,8 @@ class WeightPublisher:
         that restarted from a checkpoint)."""
         started = time.monotonic()
         layout = self.layout(state_dict)
-        refs = [ray.put(to_arrays(state_dict, bucket)) for bucket in layout]
+        # one numpy buffer per bucket: the object store copies it once, at memcpy speed
+        refs = [ray.put(flat_bucket(state_dict, bucket).cpu().numpy()) for bucket in layout]
         put_s = time.monotonic() - started
         broadcast = None if self._store is None else {"host": self.host, "port": self._store.port}
         result = self.sync.call("publish", version, layout, refs, broadcast, rollback)
@@ -283,7 +280,7 @@ class WeightPublisher:
             self._group = BroadcastGroup(self.sync.channel, self._store, self.host, epoch, 0, world_size,
                                          self.sync.timeout_s)
         for bucket in layout:
-            self._group.broadcast(pack_flat(state_dict, bucket).to(self._group.device))
+            self._group.broadcast(flat_bucket(state_dict, bucket).to(self._group.device))
 
 
 class WeightSubscriber:
@@ -298,6 +295,7 @@ class WeightSubscriber:
         self._position: Position | None = None
         self._pending: tuple[Fetched, float] | None = None
         self._lock = threading.Lock()
+        self._received = threading.Event()  # set while a received version waits for `apply`
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._group: BroadcastGroup | None = None
@@ -325,6 +323,7 @@ class WeightSubscriber:
         """Load the newest received version, if any; True when the weights changed."""
         with self._lock:
             pending, self._pending = self._pending, None
+            self._received.clear()
         if pending is None:
             return False
         fetched, received_at = pending
@@ -332,6 +331,10 @@ class WeightSubscriber:
         self.version = fetched.version
         self.sync.tell("ack", self.name, fetched.version, time.monotonic() - received_at)
         return True
+
+    def wait_received(self, timeout_s: float) -> bool:
+        """Wait until a newer version is ready for `apply` (an engine with nothing else to do)."""
+        return self._received.wait(timeout_s)
 
     def close(self) -> None:
         """Stop receiving and wait for the thread: one left inside a Ray call while its process
@@ -358,6 +361,7 @@ class WeightSubscriber:
                 fetched = Fetched(record["version"], record["position"], self._receive(record), record["refs"])
                 with self._lock:
                     self._pending = (fetched, started)
+                    self._received.set()
                 received = record["position"]
             except SystemExit:  # Ray shut down under this thread (the process is ending)
                 return

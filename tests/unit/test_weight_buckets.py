@@ -2,7 +2,16 @@
 
 import torch
 
-from rlx.weights.buckets import flat_size, from_arrays, pack_flat, plan_buckets, to_arrays, unpack_flat
+from rlx.weights.buckets import (
+    flat_bucket,
+    flat_from_buffer,
+    flat_size,
+    flat_view,
+    flatten_parameters,
+    pack_flat,
+    plan_buckets,
+    unpack_flat,
+)
 from rlx.weights.coordinator import broadcast_ranks, releasable
 
 
@@ -31,12 +40,53 @@ def test_tied_tensors_travel_once_and_come_back_under_every_name():
 def test_object_store_and_flat_round_trips_are_exact_for_every_dtype():
     state = _state()
     for bucket in plan_buckets(state, bucket_bytes=64):
-        for rebuilt in (from_arrays(to_arrays(state, bucket), bucket), unpack_flat(pack_flat(state, bucket), bucket)):
+        stored = flat_from_buffer(pack_flat(state, bucket).numpy().copy())  # what a subscriber gets from Ray
+        for rebuilt in (unpack_flat(stored, bucket), unpack_flat(pack_flat(state, bucket), bucket)):
             for spec in bucket:
                 for name in (spec.name, *spec.aliases):
                     assert rebuilt[name].dtype == state[name].dtype
                     assert torch.equal(rebuilt[name], state[name]), name
         assert flat_size(bucket) % 64 == 0
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied, as small language models are
+        self.register_buffer("step", torch.tensor(3, dtype=torch.int64))
+
+
+def test_a_flattened_model_publishes_its_buckets_without_a_copy_and_still_trains():
+    model = _Tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    layout = flatten_parameters(model, bucket_bytes=64)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    assert {k: torch.equal(v, before[k]) for k, v in state.items()} == dict.fromkeys(before, True)
+    assert model.head.weight is model.embed.weight  # ties survive
+    assert plan_buckets(state, 64) == layout
+    for bucket in layout:
+        view = flat_view(state, bucket)
+        assert view is not None and view.numel() == flat_size(bucket)
+        assert view.data_ptr() == state[bucket[0].name].data_ptr()  # the parameters' own memory
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.head(model.norm(model.embed(torch.tensor([1, 2])))).sum().backward()
+    optimizer.step()
+    moved = {k: v.detach() for k, v in model.state_dict().items()}
+    rebuilt = {}
+    for bucket in layout:
+        rebuilt.update(unpack_flat(flat_bucket(moved, bucket).clone(), bucket))
+    assert not torch.equal(moved["embed.weight"], before["embed.weight"])
+    assert all(torch.equal(rebuilt[k], v) for k, v in moved.items())  # the view tracks the update
+
+
+def test_an_unflattened_state_dict_is_packed():
+    state = _state()
+    bucket = plan_buckets(state, 1 << 20)[0]
+    assert flat_view(state, bucket) is None
+    assert torch.equal(flat_bucket(state, bucket), pack_flat(state, bucket))
 
 
 def test_flat_bucket_of_the_wrong_size_is_refused():

@@ -10,9 +10,10 @@ rows copies the whole cache, so doing it per finished row would cost more than a
 
 from __future__ import annotations
 
+import functools
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -142,16 +143,30 @@ class HFGenerationEngine(StreamingEngine):
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, shared: bool = False) -> None:
         """Safe between decode steps: rows in flight keep their cache and continue on the new weights.
 
-        `shared` snapshots whose dtypes and devices match the model's become its weights as they
-        are (no copy; inference never writes them); anything else is copied in."""
+        `shared` snapshots whose dtype and device match a parameter's become its data as they are
+        (no copy; inference never writes them); anything else is copied in. Either way each tensor
+        is set directly, which is what keeps a load within a few milliseconds."""
+        slots = self._slots
+        if state_dict.keys() != slots.keys():
+            missing, unexpected = sorted(slots.keys() - state_dict.keys()), sorted(state_dict.keys() - slots.keys())
+            raise ValueError(f"weights of version {version} do not match the model: missing={missing[:5]} "
+                             f"unexpected={unexpected[:5]}")
         with torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=True, assign=shared and self._matches(state_dict))
+            for name, tensor in state_dict.items():
+                slot = slots[name]
+                if tensor.shape != slot.shape:
+                    raise ValueError(f"weights of version {version}: {name} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(slot.shape)}")
+                if shared and tensor.dtype == slot.dtype and tensor.device == slot.device:
+                    slot.data = tensor
+                else:
+                    slot.copy_(tensor)
         self.weight_version = version
 
-    def _matches(self, state_dict: dict[str, torch.Tensor]) -> bool:
-        own = self.model.state_dict()
-        return all(name in own and t.dtype == own[name].dtype and t.device == own[name].device
-                   for name, t in state_dict.items())
+    @functools.cached_property
+    def _slots(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and persistent buffers by state-dict name (tied ones under each)."""
+        return self.model.state_dict(keep_vars=True)
 
     def stream(
         self,
