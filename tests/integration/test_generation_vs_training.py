@@ -117,3 +117,31 @@ def test_continuous_batching_refills_slots_without_changing_results(tiny):
     assert [streamed[i].response_ids for i in range(len(prompts))] == [r.response_ids for r in alone]
     assert len(asked) > 1, "free slots must be refilled while the batch is running"
     assert _max_logprob_gap(model, tokenizer, [streamed[i] for i in range(len(prompts))], 1.0) < 1e-4
+
+
+def test_a_shared_snapshot_becomes_the_weights_and_is_never_written(tiny, tiny_path):
+    """DCS hands engines read-only object-store snapshots (`shared=True`): they become the
+    parameters without a copy, and a later copying load replaces them instead of writing into
+    memory other engines read."""
+    from rlx.models import load_pretrained
+
+    model, tokenizer = tiny
+    engine = _engine(model, tokenizer)
+    snapshot = {k: v.detach().clone() for k, v in load_pretrained(tiny_path)[0].state_dict().items()}
+    kept = {k: v.clone() for k, v in snapshot.items()}
+    engine.load_weights(snapshot, version=1, shared=True)
+    weight = model.model.embed_tokens.weight
+    assert weight.data_ptr() == snapshot["model.embed_tokens.weight"].data_ptr()  # no copy
+    update = {k: v + 1.0 for k, v in kept.items()}
+    engine.load_weights(update, version=2)
+    assert all(torch.equal(snapshot[k], kept[k]) for k in kept)  # the snapshot is untouched
+    assert torch.equal(model.model.embed_tokens.weight, update["model.embed_tokens.weight"])
+    engine.load_weights(kept, version=3)  # a copying load after that writes the engine's own memory
+    assert torch.equal(model.model.embed_tokens.weight, kept["model.embed_tokens.weight"])
+    try:
+        engine.load_weights({"nonsense": torch.zeros(1)}, version=4)
+    except ValueError as error:
+        assert "missing=" in str(error) and "nonsense" in str(error)
+    else:
+        raise AssertionError("weights with the wrong names were accepted")
+    assert engine.weight_version == 3

@@ -135,6 +135,7 @@ class HFGenerationEngine(StreamingEngine):
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.weight_version = 0
+        self._borrowed: set[str] = set()  # weights that are read-only object-store snapshots
 
     @property
     def device(self) -> torch.device:
@@ -159,6 +160,10 @@ class HFGenerationEngine(StreamingEngine):
                                      f"the model expects {tuple(slot.shape)}")
                 if shared and tensor.dtype == slot.dtype and tensor.device == slot.device:
                     slot.data = tensor
+                    self._borrowed.add(name)
+                elif name in self._borrowed:  # never write into a snapshot: other engines read it too
+                    slot.data = tensor.to(device=slot.device, dtype=slot.dtype, copy=True)
+                    self._borrowed.discard(name)
                 else:
                     slot.copy_(tensor)
         self.weight_version = version
