@@ -228,6 +228,9 @@ class RoleResources(Section):
     num_cpus: float = Field(0.5, ge=0.0, description="Ray logical CPUs reserved for the role's replica")
     num_gpus: float = Field(0.0, ge=0.0)
     threads: int = Field(1, ge=1, description="torch intra-op threads inside the replica")
+    replicas: int = Field(1, ge=1, le=16, description="replicas of the role (async mode). A stateless role with 2 "
+                          "or more keeps serving while a lost one is replaced; the Rollout starts with this "
+                          "many (`rlx scale` changes it); the Actor and the Critic have exactly one")
 
 
 class ResourcesConfig(Section):
@@ -349,6 +352,19 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if c.rollout.autoscale.enabled and c.train.mode != "async":
         problems.append("rollout.autoscale scales rollout replicas, which exist in async mode only: "
                         "set train.mode=async, or rollout.autoscale.enabled=false")
+    for role in ("actor", "critic"):
+        if getattr(c.resources, role).replicas != 1:
+            problems.append(f"resources.{role}.replicas={getattr(c.resources, role).replicas}: the {role} holds its "
+                            "optimizer state in one replica; set it to 1")
+    replicated = [role for role in type(c.resources).model_fields
+                  if isinstance(getattr(c.resources, role), RoleResources) and getattr(c.resources, role).replicas > 1]
+    if replicated and c.train.mode != "async":
+        problems.append(f"resources.{replicated[0]}.replicas > 1 needs separate services, which exist in async mode "
+                        "only: set train.mode=async, or replicas=1")
+    scale = c.rollout.autoscale
+    if scale.enabled and not scale.min_replicas <= c.resources.rollout.replicas <= scale.max_replicas:
+        problems.append(f"resources.rollout.replicas={c.resources.rollout.replicas} is outside rollout.autoscale's "
+                        f"range {scale.min_replicas}..{scale.max_replicas}: start within it")
     if c.reward.scope == "group" and ":" not in c.reward.name:
         problems.append(f"reward.scope=group needs a custom group reward (module:function); {c.reward.name!r} "
                         "scores one response at a time: set reward.scope=sample")

@@ -59,7 +59,7 @@ class Controller:
     def __init__(self, config: RunConfig, echo: Callable[[str], None] = print) -> None:
         self.config, self.echo = config, echo
         self.handles: dict[str, Any] = {}
-        self.rollout_replicas = 1
+        self.rollout_replicas = config.resources.rollout.replicas
         self.started_ray = False
 
     def start_substrate(self, run_dir: Path, resume_from: Path | None = None) -> None:
@@ -93,7 +93,7 @@ class Controller:
         self.prompts.resume({"position": prompts["position"], "unfinished": redo,
                              "rolled_back": prompts.get("rolled_back", 0)})
 
-    def _target(self, role: str, replicas: int = 1) -> serve.RunTarget:
+    def _target(self, role: str, replicas: int) -> serve.RunTarget:
         cfg, res = self.config, getattr(self.config.resources, role)
         deployment = serve.deployment(
             RoleService, name=f"rlx-{role}", num_replicas=replicas,
@@ -106,9 +106,11 @@ class Controller:
 
     def deploy(self) -> None:
         """One Serve application per role (its own fault domain), deployed in parallel; each role
-        starts working as soon as its replica is up."""
+        starts working as soon as its replicas are up (`resources.<role>.replicas`: they share the
+        role's bus tasks, so a lost one's work goes on in the others while Serve replaces it)."""
         roles = role_names(self.config)
-        self.handles = dict(zip(roles, serve.run_many([self._target(role) for role in roles])))
+        targets = [self._target(role, getattr(self.config.resources, role).replicas) for role in roles]
+        self.handles = dict(zip(roles, serve.run_many(targets)))
 
     def scale_rollout(self, replicas: int) -> dict[str, int]:
         """Redeploy the rollout with `replicas` replicas; returns once they are all up."""

@@ -8,6 +8,8 @@ duplicates), then recovers its work:
 - rows a stateless role took from the bus but never finished go back to the bus;
 - a dead Rollout's unfinished groups (fewer than n rows ever reached the bus) are dropped from the
   bus, since partial groups would bias group statistics, and handed out again.
+A stateless role with several replicas (`resources.<role>.replicas`) serves on through the others;
+each recovery records whether it did (`others_serving`, `role_down_s`).
 Stateful roles (Actor, Critic) hold optimizer state: a replacement restarts from the role's newest
 checkpoint (a global recovery), or, for roles not in `global_recovery`, losing one stops the run
 with a message that says how to continue (`rlx train --resume`).
@@ -60,6 +62,8 @@ class Recovery:
     scope: str = "in place"  # "global": a stateful role restarted from the last checkpoint
     weights_at_death: int | None = None  # the latest published weight version when the death was noticed
     replacement_weight_version: int | None = None  # what the new replica generated with at its first beat
+    others_serving: int = 0  # replicas of the same role that were up before the death and still beat
+    role_down_s: float | None = None  # the role's own gap: 0 if another replica served on, else replaced_after_s
 
 
 class HealthManager:
@@ -85,7 +89,7 @@ class HealthManager:
 
     def observe(self) -> list[Recovery]:
         """Read every replica's heartbeat; recover the work of the ones that went silent."""
-        found = []
+        dead = []
         self.live = {}
         for replica, beat in self.heartbeats.snapshot().items():
             role, status = beat["role"], beat["status"]
@@ -97,10 +101,10 @@ class HealthManager:
                 self._return_work(role, replica)
                 self.heartbeats.forget(replica)
             elif status.get("stopped") or beat["silent_s"] > self.dead_after_s:  # failed, or silent: dead
-                found.append(self._recover(role, replica, status, time.monotonic() - beat["silent_s"]))
+                dead.append((role, replica, status, time.monotonic() - beat["silent_s"]))
             else:
                 self.live[replica] = beat
-        return found
+        return [self._recover(*death) for death in dead]  # once every live replica is known
 
     def _recover(self, role: str, replica: str, status: dict[str, Any], last_beat: float) -> Recovery:
         if role in STATEFUL_ROLES and role not in self.global_recovery:
@@ -120,10 +124,12 @@ class HealthManager:
             weights_now = self.weights.version()
         released, requeued = self._return_work(role, replica)
         injected = self.faults_at.pop(role, None)
+        died_at = last_beat if injected is None else injected
+        others = sum(1 for other, beat in self.live.items() if beat["role"] == role and self.known[other][1] < died_at)
         recovery = Recovery(role, replica, released, requeued,
-                            None if injected is None else time.monotonic() - injected,
-                            died_at=last_beat if injected is None else injected,
-                            scope="global" if role in STATEFUL_ROLES else "in place", weights_at_death=weights_now)
+                            None if injected is None else time.monotonic() - injected, died_at=died_at,
+                            scope="global" if role in STATEFUL_ROLES else "in place", weights_at_death=weights_now,
+                            others_serving=others)
         self.recoveries.append(recovery)
         return recovery
 
@@ -163,6 +169,7 @@ class HealthManager:
             replacement = self._replacement(recovery)
             if replacement is not None:
                 recovery.replaced_after_s, recovery.replacement_weight_version = replacement
+            recovery.role_down_s = 0.0 if recovery.others_serving else recovery.replaced_after_s
             out.append({k: v for k, v in asdict(recovery).items() if k != "died_at"})
         return out
 

@@ -28,9 +28,10 @@ def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
     # the trainer cannot outrun a dead producer by more than max_staleness steps, so every fault must be
     # recovered for the run to reach its last step
     # KL to a reference and decoupled PPO bring in the Reference and ActorFwd roles, killed too; the DCS
-    # coordinator is killed, then hung
+    # coordinator is killed, then hung. The Reference runs two replicas: the role serves on while one is replaced
     config = paced_async_config(tiny_path, tmp_path, train__steps=20, train__hang_timeout_s=6,
-                                algorithm__kl_coef=0.05, algorithm__behavior_correction="decoupled")
+                                algorithm__kl_coef=0.05, algorithm__behavior_correction="decoupled",
+                                resources__reference={"replicas": 2})
     config.faults = [FaultConfig(role="reward", at_step=2, kind="kill"),
                      FaultConfig(role="rollout", at_step=4, kind="kill"),
                      FaultConfig(role="advantages", at_step=6, kind="hang"),
@@ -54,7 +55,9 @@ def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
     for recovery in health["recoveries"]:  # each role was noticed dead and served again by a new replica
         assert recovery["detected_after_s"] is not None and recovery["replaced_after_s"] is not None
         print(f"{recovery['role']}: noticed after {recovery['detected_after_s']:.1f}s, "
-              f"back after {recovery['replaced_after_s']:.1f}s")
+              f"new replica after {recovery['replaced_after_s']:.1f}s, role down {recovery['role_down_s']:.1f}s")
+    assert recovered["reference"]["others_serving"] == 1 and recovered["reference"]["role_down_s"] == 0.0
+    assert recovered["rollout"]["role_down_s"] == recovered["rollout"]["replaced_after_s"]  # its only replica
     assert recovered["rollout"]["groups_requeued"] == health["prompts"]["groups_requeued"]
     # the new engine pulled the latest weights from DCS before generating: not the initial ones, not a file
     rollout = recovered["rollout"]

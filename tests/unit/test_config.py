@@ -187,6 +187,10 @@ def test_to_yaml_round_trip():
     ({"rollout": {"autoscale": {"enabled": True}}}, "set train.mode=async"),
     ({"rollout": {"autoscale": {"min_replicas": 3}}}, "raise max_replicas"),
     ({"rollout": {"autoscale": {"scale_up_below": 0.8}}}, "scale both ways at once"),
+    ({"train": {"mode": "async"}, "resources": {"actor": {"replicas": 2}}}, "resources.actor.replicas=2"),
+    ({"resources": {"reward": {"replicas": 2}}}, "resources.reward.replicas > 1 needs separate services"),
+    ({"train": {"mode": "async"}, "rollout": {"autoscale": {"enabled": True, "max_replicas": 2}},
+      "resources": {"rollout": {"replicas": 3}}}, "outside rollout.autoscale's range 1..2"),
 ])
 def test_algorithm_and_reward_choices_are_checked_together(raw, fix):
     with pytest.raises(ConfigError) as error:

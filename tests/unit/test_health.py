@@ -68,6 +68,25 @@ def test_a_dead_rollouts_partial_groups_are_dropped_and_handed_out_again():
     assert prompts.take(1, "rollout-b") == [issued[1]]  # the same prompt, first in line
 
 
+def test_a_role_with_another_replica_up_is_never_down():
+    """Two Reference replicas: losing one leaves the role serving (its gap is 0). A role's only
+    replica leaves a gap until its replacement beats, even if that replacement is up before the
+    death is noticed."""
+    bus, beats, _, health = setup()
+    for replica, role in [("ref-a", "reference"), ("ref-b", "reference"), ("reward-a", "reward")]:
+        beats.beat(role, replica, {"busy_fraction": 0.5})
+    health.observe()
+    for dead in ("ref-a", "reward-a"):
+        health.fault_injected(health.known[dead][0])
+        go_silent(beats, dead)
+    beats.beat("reward", "reward-b", {"busy_fraction": 0.5})  # the replacement, up before the death is noticed
+    recoveries = {r.role: r for r in health.observe()}
+    assert recoveries["reference"].others_serving == 1 and recoveries["reward"].others_serving == 0
+    report = {r["role"]: r for r in health.report()}
+    assert report["reference"]["role_down_s"] == 0.0
+    assert report["reward"]["role_down_s"] == report["reward"]["replaced_after_s"] is not None
+
+
 def test_stateful_roles_and_restart_limits_stop_the_run_with_a_reason():
     bus, beats, _, health = setup()
     beats.beat("advantages", "adv-a", {})
