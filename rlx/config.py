@@ -300,6 +300,12 @@ class RunConfig(Section):
         return self
 
     @property
+    def initial_rollout_replicas(self) -> int:
+        """`resources.rollout.replicas`, brought into the autoscaler's range when it is on."""
+        replicas, scale = self.resources.rollout.replicas, self.rollout.autoscale
+        return min(max(replicas, scale.min_replicas), scale.max_replicas) if scale.enabled else replicas
+
+    @property
     def uses_critic(self) -> bool:
         return self.algorithm.advantage == "gae"
 
@@ -361,8 +367,8 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if replicated and c.train.mode != "async":
         problems.append(f"resources.{replicated[0]}.replicas > 1 needs separate services, which exist in async mode "
                         "only: set train.mode=async, or replicas=1")
-    scale = c.rollout.autoscale
-    if scale.enabled and not scale.min_replicas <= c.resources.rollout.replicas <= scale.max_replicas:
+    scale, explicit = c.rollout.autoscale, "replicas" in c.resources.rollout.model_fields_set
+    if scale.enabled and explicit and not scale.min_replicas <= c.resources.rollout.replicas <= scale.max_replicas:
         problems.append(f"resources.rollout.replicas={c.resources.rollout.replicas} is outside rollout.autoscale's "
                         f"range {scale.min_replicas}..{scale.max_replicas}: start within it")
     if c.reward.scope == "group" and ":" not in c.reward.name:

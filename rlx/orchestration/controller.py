@@ -59,7 +59,7 @@ class Controller:
     def __init__(self, config: RunConfig, echo: Callable[[str], None] = print) -> None:
         self.config, self.echo = config, echo
         self.handles: dict[str, Any] = {}
-        self.rollout_replicas = config.resources.rollout.replicas
+        self.rollout_replicas = config.initial_rollout_replicas
         self.started_ray = False
 
     def start_substrate(self, run_dir: Path, resume_from: Path | None = None) -> None:
@@ -109,7 +109,8 @@ class Controller:
         starts working as soon as its replicas are up (`resources.<role>.replicas`: they share the
         role's bus tasks, so a lost one's work goes on in the others while Serve replaces it)."""
         roles = role_names(self.config)
-        targets = [self._target(role, getattr(self.config.resources, role).replicas) for role in roles]
+        targets = [self._target(role, self.rollout_replicas if role == "rollout"
+                                else getattr(self.config.resources, role).replicas) for role in roles]
         self.handles = dict(zip(roles, serve.run_many(targets)))
 
     def scale_rollout(self, replicas: int) -> dict[str, int]:

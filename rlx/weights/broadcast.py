@@ -30,7 +30,7 @@ class BroadcastGroup:
             options._timeout = timeout
             self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
             self.device = torch.device("cpu")
-        else:  # the same code on GPUs; untested here (no GPU on these machines)
+        else:  # one GPU per rank: NCCL refuses two ranks on one device
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)

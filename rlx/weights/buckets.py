@@ -141,12 +141,15 @@ def flatten_parameters(module: torch.nn.Module, bucket_bytes: int) -> list[Bucke
     state = module.state_dict(keep_vars=True)
     layout = plan_buckets(state, bucket_bytes)
     for bucket in layout:
-        flat, offsets = _empty_flat(bucket, state[bucket[0].name].device)
+        device = state[bucket[0].name].device
+        if any(state[spec.name].device != device for spec in bucket):  # a model split over devices: packed
+            continue
+        flat, offsets = _empty_flat(bucket, device)
         for spec, offset in zip(bucket, offsets):
-            tensor = state[spec.name]
             view = flat[offset : offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
-            view.copy_(tensor.detach())
-            tensor.data = view
+            view.copy_(state[spec.name].detach())
+            for name in (spec.name, *spec.aliases):  # tied names are usually one Parameter, not always
+                state[name].data = view
     return layout
 
 

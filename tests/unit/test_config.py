@@ -209,3 +209,12 @@ def test_ppo_and_distillation_configs_pick_their_roles():
     assert ppo.uses_critic and not ppo.uses_teacher and not ppo.filters_zero_std_groups
     distill = build_config({"algorithm": {"advantage": "none"}, "teacher": {"path": "some/teacher"}})
     assert distill.uses_teacher and not distill.filters_zero_std_groups
+
+
+def test_the_rollout_starts_within_the_autoscalers_range():
+    scaled = {"train": {"mode": "async"}, "rollout": {"autoscale": {"enabled": True, "min_replicas": 2,
+                                                                    "max_replicas": 3}}}
+    assert build_config(scaled).initial_rollout_replicas == 2  # the default of 1 is brought into range
+    assert build_config({**scaled, "resources": {"rollout": {"replicas": 3}}}).initial_rollout_replicas == 3
+    assert build_config({"train": {"mode": "async"}, "resources": {"rollout": {"replicas": 4}}}
+                        ).initial_rollout_replicas == 4

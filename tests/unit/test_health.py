@@ -72,7 +72,7 @@ def test_a_role_with_another_replica_up_is_never_down():
     """Two Reference replicas: losing one leaves the role serving (its gap is 0). A role's only
     replica leaves a gap until its replacement beats, even if that replacement is up before the
     death is noticed."""
-    bus, beats, _, health = setup()
+    _, beats, _, health = setup()
     for replica, role in [("ref-a", "reference"), ("ref-b", "reference"), ("reward-a", "reward")]:
         beats.beat(role, replica, {"busy_fraction": 0.5})
     health.observe()

@@ -133,3 +133,17 @@ def test_a_position_from_another_incarnation_is_older_than_any_publication():
         assert (await new.wait_newer("engine", record["position"], 0))["version"] == 1
 
     asyncio.run(scenario())
+
+
+def test_flattening_moves_every_alias_and_leaves_a_bucket_across_devices_alone():
+    model = _Tiny()
+    model.head.weight = torch.nn.Parameter(model.embed.weight.data)  # two Parameters over one storage
+    layout = flatten_parameters(model, bucket_bytes=1 << 20)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()  # still one tensor's memory
+    assert plan_buckets(state, 1 << 20) == layout and flat_view(state, layout[0]) is not None
+    meta = _Tiny()
+    meta.norm.to("meta")  # stands in for a second device
+    before = meta.embed.weight.data_ptr()
+    flatten_parameters(meta, bucket_bytes=1 << 20)
+    assert meta.embed.weight.data_ptr() == before  # the bucket spans two devices: not flattened

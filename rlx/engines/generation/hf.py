@@ -152,12 +152,13 @@ class HFGenerationEngine(StreamingEngine):
             missing, unexpected = sorted(slots.keys() - state_dict.keys()), sorted(state_dict.keys() - slots.keys())
             raise ValueError(f"weights of version {version} do not match the model: missing={missing[:5]} "
                              f"unexpected={unexpected[:5]}")
+        for name, tensor in state_dict.items():  # all checked first: a bad version changes nothing
+            if tensor.shape != slots[name].shape:
+                raise ValueError(f"weights of version {version}: {name} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(slots[name].shape)}")
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 slot = slots[name]
-                if tensor.shape != slot.shape:
-                    raise ValueError(f"weights of version {version}: {name} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(slot.shape)}")
                 if shared and tensor.dtype == slot.dtype and tensor.device == slot.device:
                     slot.data = tensor
                     self._borrowed.add(name)
@@ -170,7 +171,8 @@ class HFGenerationEngine(StreamingEngine):
 
     @functools.cached_property
     def _slots(self) -> dict[str, torch.Tensor]:
-        """The model's parameters and persistent buffers by state-dict name (tied ones under each)."""
+        """The model's parameters and persistent buffers by state-dict name (tied ones under each).
+        Taken once: the engine never moves its model after it is built."""
         return self.model.state_dict(keep_vars=True)
 
     def stream(

@@ -134,6 +134,22 @@ class TrainingEngine:
     def export(self, directory: Path) -> Path:
         """A Hugging Face folder: loadable with `AutoModelForCausalLM.from_pretrained`."""
         directory.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(directory)
+        # The Actor's parameters share one storage per weight bucket (`flatten_parameters`), which
+        # transformers would clone tensor by tensor on their device; host copies (ties kept) cost the
+        # same memory on the host instead, where a GPU has none to spare.
+        state = _host_copies(self.model.state_dict())
+        self.model.save_pretrained(directory, state_dict=state)
         self.tokenizer.save_pretrained(directory)
         return directory
+
+
+def _host_copies(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One host copy per distinct tensor; names of one tensor (tied weights) share its copy."""
+    copies: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+        if key not in copies:
+            copies[key] = tensor.detach().to("cpu", copy=True)
+        out[name] = copies[key]
+    return out

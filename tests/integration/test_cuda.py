@@ -1,0 +1,84 @@
+"""The GPU path of the Actor and an engine, where CUDA is (skipped elsewhere; marked `cuda`).
+
+The Actor's flattened parameters train on the GPU and still publish as one buffer per bucket; an
+`hf` engine on the GPU loads a published version and samples with the log-probs the trainer
+computes. The `nccl` broadcast group is built and used, with one rank: a broadcast to a second
+rank needs a second GPU (NCCL refuses two ranks on one device).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlx.config import TrainConfig
+from rlx.engines.generation.base import GenerationRequest, SamplingParams
+from rlx.engines.generation.hf import HFGenerationEngine
+from rlx.engines.training import TrainingEngine, collate, token_logprobs
+from rlx.models import eos_token_ids, load_pretrained
+from rlx.weights.buckets import flat_bucket, flat_from_buffer, flat_view, flatten_parameters, unpack_flat
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PROMPTS = ["12+7=", "a much longer prompt to force left padding:", "x", "3-9="]
+
+
+def _published(state: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]:
+    """What a subscriber rebuilds from the object store: each bucket's bytes on the host."""
+    out: dict[str, torch.Tensor] = {}
+    for bucket in layout:
+        out.update(unpack_flat(flat_from_buffer(flat_bucket(state, bucket).cpu().numpy()), bucket))
+    return out
+
+
+def _max_logprob_gap(trainer, tokenizer, results) -> float:
+    batch = collate([r.prompt_ids for r in results], [r.response_ids for r in results], tokenizer.pad_token_id)
+    with torch.no_grad():
+        trained, _ = token_logprobs(trainer, batch, 1.0)
+    return max((trained[row, : len(r.logprobs)].cpu() - torch.tensor(r.logprobs)).abs().max().item()
+               for row, r in enumerate(results))
+
+
+def test_a_flattened_actor_trains_on_the_gpu_and_an_engine_there_agrees_with_it(tiny_path):
+    torch.manual_seed(0)
+    model, tokenizer = load_pretrained(tiny_path, "float32", "cuda")
+    layout = flatten_parameters(model, bucket_bytes=1 << 16)  # several buckets
+    assert len(layout) > 1
+    engine = TrainingEngine(model, tokenizer, TrainConfig(lr=1e-2, steps=1, warmup_steps=0), temperature=1.0)
+    before = {k: v.clone() for k, v in engine.weights().items()}
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    batch = collate(ids, [[5, 6, 7]] * len(ids), tokenizer.pad_token_id)
+    engine.train_step(batch, lambda mb, out, ent: (-(out * mb.response_mask.to(out.device)).sum(), {}))
+    state = engine.weights()
+    assert not torch.equal(state["lm_head.weight"], before["lm_head.weight"])  # the step moved the weights
+    assert all(flat_view(state, bucket) is not None for bucket in layout)  # still one storage per bucket
+
+    generator_model, _ = load_pretrained(tiny_path, "float32", "cuda")
+    generator = HFGenerationEngine(generator_model, tokenizer.pad_token_id, eos_token_ids(generator_model, tokenizer),
+                                   tokenizer)
+    generator.load_weights(_published(state, layout), version=1, shared=True)  # host bytes: copied onto the GPU
+    assert all(torch.equal(p, state[n]) for n, p in generator_model.state_dict().items())
+    requests = [GenerationRequest(i, prompt) for i, prompt in enumerate(ids * 4)]
+    results = generator.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=24, seed=1))
+    assert {r.weight_version for r in results} == {1} and any(r.response_ids for r in results)
+    gap = _max_logprob_gap(model, tokenizer, results)
+    print(f"fp32 on {torch.cuda.get_device_name()}: max |engine - trainer| log-prob = {gap:.2e}")
+    assert gap < 1e-4
+
+    bf16_model, _ = load_pretrained(tiny_path, "bfloat16", "cuda")
+    bf16 = HFGenerationEngine(bf16_model, tokenizer.pad_token_id, eos_token_ids(bf16_model, tokenizer), tokenizer)
+    bf16.load_weights(_published(state, layout), version=1, shared=True)  # fp32 bytes into bf16 weights
+    gap = _max_logprob_gap(model, tokenizer, bf16.generate(requests, SamplingParams(temperature=1.0,
+                                                                                     max_new_tokens=24, seed=1)))
+    print(f"bf16 engine vs fp32 trainer: max |engine - trainer| log-prob = {gap:.2e}")
+    assert gap < 0.5  # bf16 rounding of weights and activations, not a wrong load
+
+
+def test_an_nccl_broadcast_group_forms_and_broadcasts_a_bucket():
+    from rlx.weights.broadcast import BroadcastGroup, serve_store
+
+    store = serve_store("127.0.0.1", timeout_s=30)
+    group = BroadcastGroup("nccl", store, "127.0.0.1", epoch=1, rank=0, world_size=1, timeout_s=30)
+    assert group.device.type == "cuda"
+    buffer = torch.arange(1 << 20, dtype=torch.uint8, device=group.device)
+    assert torch.equal(group.broadcast(buffer.clone()), buffer)
