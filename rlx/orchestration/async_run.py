@@ -156,7 +156,7 @@ class AsyncRun:
         after = None if injected is None else time.monotonic() - injected
         # the driver's calls wait for the replacement, so the loss is noticed when it serves again
         self.dcs_recoveries.append({"role": "dcs", "scope": "in place", "detected_after_s": after,
-                                    "replaced_after_s": after})
+                                    "replaced_after_s": after, "others_serving": 0, "role_down_s": after})
         message = ("recovered dcs: Serve replaced the weight coordinator; the Actor's next version fills it "
                    "again and every subscriber registers again")
         self.echo(message)
