@@ -16,6 +16,7 @@ from ray import serve
 from rlx.models import load_pretrained
 from rlx.orchestration.cluster import start_ray, stop_ray
 from rlx.weights import WeightSync
+from rlx.weights.buckets import flatten_parameters
 
 
 @ray.remote(num_cpus=0.1)
@@ -223,11 +224,11 @@ def test_engine_and_actor_agree_on_logprobs_after_a_sync(cluster, model, tiny_pa
     subscriber.start()
     trained = load_pretrained(tiny_path)[0]
     trained.load_state_dict(_perturbed(model, 7))
+    flatten_parameters(trained, sync.bucket_bytes)  # as the Actor's model: buckets leave as views, no packing
     publisher.publish(trained.state_dict(), 1)
-    deadline = time.monotonic() + 20
-    while not subscriber.apply() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine.weight_version == 1
+    assert subscriber.wait_received(20)  # an idle engine sleeps until a version is there
+    assert subscriber.apply() and engine.weight_version == 1
+    assert set(sync.wait_acked(1, 1, timeout_s=20)) == {"hf"}  # the ack reached the coordinator
     embed = engine.model.get_input_embeddings().weight
     assert (embed.data_ptr() == received["model.embed_tokens.weight"].data_ptr()) == shared  # zero-copy or copied
     results = engine.generate(_requests(tokenizer, PROMPTS * 2), SamplingParams(temperature=0.8, max_new_tokens=16, seed=4))
