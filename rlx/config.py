@@ -358,12 +358,12 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if c.rollout.autoscale.enabled and c.train.mode != "async":
         problems.append("rollout.autoscale scales rollout replicas, which exist in async mode only: "
                         "set train.mode=async, or rollout.autoscale.enabled=false")
+    replicas = {role: value.replicas for role, value in c.resources if isinstance(value, RoleResources)}
     for role in ("actor", "critic"):
-        if getattr(c.resources, role).replicas != 1:
-            problems.append(f"resources.{role}.replicas={getattr(c.resources, role).replicas}: the {role} holds its "
-                            "optimizer state in one replica; set it to 1")
-    replicated = [role for role in type(c.resources).model_fields
-                  if isinstance(getattr(c.resources, role), RoleResources) and getattr(c.resources, role).replicas > 1]
+        if replicas[role] != 1:
+            problems.append(f"resources.{role}.replicas={replicas[role]}: the {role} holds its optimizer state in "
+                            "one replica; set it to 1")
+    replicated = [role for role, count in replicas.items() if count > 1]
     if replicated and c.train.mode != "async":
         problems.append(f"resources.{replicated[0]}.replicas > 1 needs separate services, which exist in async mode "
                         "only: set train.mode=async, or replicas=1")

@@ -100,8 +100,7 @@ class WeightCoordinator:
         self.versions[version] = Version(version, self.serial, layout, list(refs), time.monotonic(), broadcast)
         self.latest = version
         self._release()
-        async with self._changed:
-            self._changed.notify_all()
+        await self._notify()
         return {"accepted": True, "latest": version, "incarnation": self.incarnation, **(broadcast or {})}
 
     async def broadcast_failed(self, version: int) -> None:
@@ -136,14 +135,8 @@ class WeightCoordinator:
     async def wait_newer(self, name: str | None, after: Position | None, timeout_s: float) -> dict | None:
         """The latest version if published after `after`, waiting up to `timeout_s` for one."""
         self._seen(name)
-        async with self._changed:
-            if not self._is_newer(after):
-                if timeout_s <= 0:  # asyncio.wait_for(..., 0) would give up before even looking
-                    return None
-                try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self._is_newer(after)), timeout_s)
-                except TimeoutError:
-                    return None
+        if not await self._wait_until(lambda: self._is_newer(after), timeout_s):
+            return None
         self._seen(name)
         record = self.versions[self.latest]
         return {"version": record.version, "position": (self.incarnation, record.serial), "layout": record.layout,
@@ -158,20 +151,34 @@ class WeightCoordinator:
             subscriber.version = max(subscriber.version, version)
             subscriber.last_seen = time.monotonic()
         self._release()
+        await self._notify()
+
+    async def wait_acked(self, version: int, count: int, timeout_s: float) -> dict[str, float]:
+        """The acks of `version`, once `count` subscribers have loaded it or `timeout_s` passed (the
+        caller sees from their number which)."""
+        await self._wait_until(lambda: len(self._acks(version)) >= count, timeout_s)
+        return self._acks(version)
+
+    async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
 
-    async def wait_acked(self, version: int, count: int, timeout_s: float) -> dict[str, float]:
-        """The acks of `version`, once `count` subscribers have loaded it or `timeout_s` passed."""
-        def enough() -> bool:
-            return version in self.versions and len(self.versions[version].acks) >= count
-
+    async def _wait_until(self, condition, timeout_s: float) -> bool:
+        """Whether `condition` holds now or comes to hold within `timeout_s`."""
         async with self._changed:
+            if condition():
+                return True
+            if timeout_s <= 0:  # asyncio.wait_for(..., 0) would give up before even looking
+                return False
             try:
-                await asyncio.wait_for(self._changed.wait_for(enough), timeout_s)
+                await asyncio.wait_for(self._changed.wait_for(condition), timeout_s)
             except TimeoutError:
-                pass
-        return await self.acks(version)
+                return False
+            return True
+
+    def _acks(self, version: int) -> dict[str, float]:
+        record = self.versions.get(version)
+        return dict(record.acks) if record else {}
 
     # introspection
     async def latest_version(self) -> int:
@@ -180,10 +187,6 @@ class WeightCoordinator:
     async def position_of_latest(self) -> tuple[str, int]:
         """(incarnation, latest version): how a publisher sees that a replacement needs its version."""
         return self.incarnation, self.latest
-
-    async def acks(self, version: int) -> dict[str, float]:
-        record = self.versions.get(version)
-        return dict(record.acks) if record else {}
 
     async def status(self) -> dict:
         self._expire()

@@ -140,9 +140,6 @@ class WeightSync:
     def status(self) -> dict:
         return self.call("status")
 
-    def acks(self, version: int) -> dict[str, float]:
-        return self.call("acks", version)
-
     def wait_acked(self, version: int, count: int, timeout_s: float) -> dict[str, float]:
         """Block until `count` subscribers have loaded `version` (or `timeout_s` passed); its acks."""
         return self.call("wait_acked", version, count, timeout_s, reply_s=timeout_s + 30)
