@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from rlx.config import ConfigError, load_config
-from rlx.errors import UserError
+from rlx.config import load_config
+from rlx.errors import ConfigError, UserError
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -14,7 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlx.errors import UserError
+from rlx.errors import ConfigError
+from rlx.generation_engines import GENERATION_ENGINES
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -30,10 +31,6 @@ _Yaml12Loader.add_implicit_resolver(
 
 def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Yaml12Loader)
-
-
-class ConfigError(UserError, ValueError):
-    """A config problem, phrased so the user can fix it without reading our code."""
 
 
 class Section(BaseModel):
@@ -112,8 +109,6 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _engine_is_known(self) -> RolloutConfig:
-        from rlx.engines.generation import GENERATION_ENGINES
-
         if self.engine not in GENERATION_ENGINES:
             raise ValueError(f"rollout.engine={self.engine!r} is not a generation engine; use one of "
                              f"{', '.join(GENERATION_ENGINES.names())}")

@@ -5,13 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlx.errors import UserError
+from rlx.errors import DataError
 
 Messages = list[dict[str, str]]
-
-
-class DataError(UserError, ValueError):
-    """Bad input data; the message names the file, the line and the fix."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ class Alerts:
             self.apprise = apprise.Apprise()
             for url in urls:
                 if not self.apprise.add(url):
-                    from rlx.config import ConfigError
+                    from rlx.errors import ConfigError
 
                     raise ConfigError(f"logging.alerts: {url!r} is not an Apprise URL it can use "
                                       "(see https://github.com/caronc/apprise/wiki for the URL forms)")

@@ -16,9 +16,10 @@ from typing import Any, Callable
 
 import ray
 
-from rlx.config import ConfigError, RunConfig
+from rlx.config import RunConfig
 from rlx.data import load_splits
 from rlx.engines.generation.base import SamplingParams
+from rlx.errors import ConfigError
 from rlx.obs import Alerts, MetricsWriter, plot_run
 from rlx.orchestration.api import ApiServer, ScaleInProgress
 from rlx.orchestration.autoscaler import Autoscaler

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import re
 
-from rlx.config import ConfigError
+from rlx.errors import ConfigError
 from rlx.rewards.builtin import REWARDS, RewardFn
 from rlx.rewards.judge import JUDGE_PARSERS, JudgeParser
 from rlx.rewards.safe import RewardOutcome, score_group_safely, score_safely

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from requests.adapters import HTTPAdapter
 
-from rlx.config import ConfigError
 from rlx.engines.generation import EngineSpec
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
+from rlx.errors import ConfigError
 from rlx.models import load_tokenizer
 
 OPTIONS = {"url", "timeout_s", "tp_size", "weight_chunk_mb", "max_concurrency"}
