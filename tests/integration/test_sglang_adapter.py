@@ -12,9 +12,9 @@ import torch
 
 from rlx.engines.generation import EngineSpec, build_generation_engine
 from rlx.engines.generation.base import GenerationRequest, SamplingParams
-from rlx.engines.generation.http_server import LoopbackServer
 from rlx.engines.generation.sglang import SGLangEngine, SGLangError, build_sglang_engine
 from rlx.models import resolve_model_path
+from tests.support.sglang_server import LoopbackServer
 
 PROMPTS = ["hello", "What is 2+2?", "abc", "x", "The quick brown fox"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)

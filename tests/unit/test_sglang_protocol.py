@@ -13,11 +13,6 @@ import torch
 from rlx.config import ConfigError
 from rlx.engines.generation import EngineSpec
 from rlx.engines.generation.base import GenerationRequest, SamplingParams
-from rlx.engines.generation.http_server import (
-    deserialize_named_tensors,
-    parse_dtype,
-    sampling_params_from_body,
-)
 from rlx.engines.generation.sglang import (
     SGLangError,
     build_sglang_engine,
@@ -28,6 +23,11 @@ from rlx.engines.generation.sglang import (
     sampling_params_body,
     serialize_named_tensors,
     tensor_chunks,
+)
+from tests.support.sglang_server import (
+    deserialize_named_tensors,
+    parse_dtype,
+    sampling_params_from_body,
 )
 
 REQUEST = GenerationRequest(request_id=4, prompt_ids=[5, 6, 7])

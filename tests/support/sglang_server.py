@@ -1,5 +1,8 @@
 """rlx's `hf` engine behind SGLang's HTTP routes: a real server to test the `sglang` adapter on CPU.
 
+A test fixture, not part of rlx: it lives with the tests, and serves the engine through
+`rlx.engines.generation.engine_loop.EngineLoop`.
+
 Routes and shapes follow SGLang (`/generate`, `/get_model_info`, `/health`, `/pause_generation`,
 `/continue_generation`, `/flush_cache`, `/update_weights_from_tensor`, `/init_weights_update_group`,
 `/update_weights_from_distributed`); `/get_server_info` adds the batching counters. What differs:
@@ -8,7 +11,8 @@ token ids only (no `text` prompts, no streaming), no prompt log-probs, `sampling
 in flight, with their KV cache, until `continue_generation`), the process group is gloo only, and
 `/flush_cache` has nothing to flush (the `hf` engine keeps no cache across requests).
 
-Run it: `python -m rlx.engines.generation.http_server --model tiny-char --port 30000` (127.0.0.1 only).
+Run it from the repository root: `python -m tests.support.sglang_server --model tiny-char --port 30000`
+(127.0.0.1 only).
 """
 
 from __future__ import annotations
@@ -17,19 +21,14 @@ import argparse
 import asyncio
 import base64
 import io
-import itertools
 import pickle
 import socket
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.distributed as dist
@@ -39,12 +38,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from rlx.engines.generation import EngineSpec, build_generation_engine
-from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams
-from rlx.engines.generation.hf import HFGenerationEngine
+from rlx.engines.generation.base import GenerationResult, SamplingParams
+from rlx.engines.generation.engine_loop import EngineLoop
 from rlx.engines.generation.sglang import WeightGroup, broadcast_tensors, process_group
 from rlx.models import resolve_model_path
 
-T = TypeVar("T")
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "sampling_seed",
                  "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
 
@@ -97,146 +95,6 @@ def parse_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype")
     return dtype
-
-
-class _Stopping(Exception):
-    """Raised between decode steps once the server stops: every request in flight fails with it
-    rather than hang."""
-
-
-@dataclass
-class _Job:
-    prompt_ids: list[int]
-    params: SamplingParams
-    future: Future
-
-
-class EngineLoop:
-    """Runs the `hf` engine on one thread.
-
-    Jobs with equal sampling params decode together (continuous batching: jobs that arrive
-    mid-batch join it through `refill`). Calls (weight loads) run on the same thread between
-    decode steps, so they never race a forward pass. While paused, no decode step runs and no job
-    is admitted, but calls still run."""
-
-    def __init__(self, engine: HFGenerationEngine) -> None:
-        self.engine = engine
-        self.decode_steps = 0
-        self.peak_batch = 0  # most requests ever decoding together
-        self._ids = itertools.count()
-        self._jobs: deque[_Job] = deque()
-        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._paused = self._stopping = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="rlx-hf-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Future:
-        job = _Job(prompt_ids, params, Future())
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the engine loop has stopped")
-            self._jobs.append(job)
-            self._cond.notify_all()
-        return job.future
-
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the engine thread (between decode steps) and return its result."""
-        future: Future = Future()
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the engine loop has stopped")
-            self._calls.append((fn, future))
-            self._cond.notify_all()
-        return future.result()
-
-    def pause(self) -> None:
-        with self._cond:
-            self._paused = True
-
-    def resume(self) -> None:
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
-
-    def stop(self) -> None:
-        """Finish the current decode step, then fail whatever is still waiting."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join()
-        for future in [job.future for job in self._jobs] + [future for _, future in self._calls]:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(RuntimeError("the server stopped"))
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._stopping or self._calls or (self._jobs and not self._paused))
-                if self._stopping:
-                    return
-            self._run_calls()
-            jobs = self._take(None, self.engine.max_batch_size)
-            if jobs:
-                self._decode(jobs)
-
-    def _run_calls(self) -> None:
-        while True:
-            with self._cond:
-                if not self._calls:
-                    return
-                fn, future = self._calls.popleft()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except Exception as error:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(error)
-
-    def _take(self, params: SamplingParams | None, limit: int) -> list[_Job]:
-        """Up to `limit` waiting jobs with these params (any params: the oldest job's)."""
-        with self._cond:
-            if self._paused or self._stopping or not self._jobs:
-                return []
-            params = params or self._jobs[0].params
-            taken, kept = [], deque()
-            for job in self._jobs:
-                (taken if job.params == params and len(taken) < limit else kept).append(job)
-            self._jobs = kept
-            return taken
-
-    def _decode(self, jobs: list[_Job]) -> None:
-        params = jobs[0].params
-        futures: dict[int, Future] = {}
-
-        def admit(batch: list[_Job]) -> list[GenerationRequest]:
-            requests = []
-            for job in batch:
-                if job.future.set_running_or_notify_cancel():  # False: the client went away
-                    request_id = next(self._ids)
-                    futures[request_id] = job.future
-                    requests.append(GenerationRequest(request_id, job.prompt_ids))
-            self.peak_batch = max(self.peak_batch, len(futures))
-            return requests
-
-        try:
-            results = self.engine.stream(admit(jobs), params, refill=lambda free: admit(self._take(params, free)),
-                                         between_steps=self._between_steps)
-            for result in results:
-                futures.pop(result.request_id).set_result(result)
-        except Exception as error:  # noqa: BLE001 - every waiting request gets the error
-            for future in futures.values():
-                future.set_exception(error)
-
-    def _between_steps(self) -> None:
-        self.decode_steps += 1
-        while True:
-            self._run_calls()
-            with self._cond:
-                if self._stopping:
-                    raise _Stopping("the server is stopping")
-                if not self._paused:
-                    return
-                self._cond.wait_for(lambda: self._calls or not self._paused or self._stopping)
 
 
 class _Body(BaseModel):

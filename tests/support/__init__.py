@@ -1,0 +1,1 @@
+"""Test helpers that stand in for outside services (an SGLang-compatible HTTP server)."""
