@@ -32,4 +32,5 @@ class Sample:
     teacher_logprobs: list[float] | None = None  # the teacher's log-probs of the sampled tokens
     ref_logprobs: list[float] | None = None
     old_logprobs: list[float] | None = None  # proximal policy (ActorFwd), for decoupled PPO
+    proximal_version: int | None = None  # the weight version ActorFwd computed `old_logprobs` with
     filter_reason: str | None = None  # why the sample is not trained on, if it is not

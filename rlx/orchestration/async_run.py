@@ -31,7 +31,8 @@ from rlx.orchestration.builder import (
     prompt_encoder,
     sampling_params,
 )
-from rlx.orchestration.controller import Controller, role_names
+from rlx.orchestration.controller import Controller
+from rlx.orchestration.plan import build_plan
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.health import HealthManager
 from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
@@ -59,7 +60,7 @@ class DriverEvaluator:
 
 
 def check_faults(config: RunConfig) -> None:
-    roles = [*role_names(config), "dcs"]  # the weight coordinator can be killed or hung too
+    roles = [*build_plan(config).role_names, "dcs"]  # the weight coordinator can be killed or hung too
     for fault in config.faults:
         if fault.role not in roles:
             raise ConfigError(f"faults: role {fault.role!r} is not part of this run; its roles are {', '.join(roles)}")
@@ -200,9 +201,9 @@ class AsyncRun:
             self.echo(f"resumed from {checkpoint} at step {self.step}")
         c.deploy()
         # The Actor and the Critic each restart from their own newest checkpoint when lost.
-        self.health = HealthManager(c.bus, c.prompts, c.heartbeats, cfg.rollout.n, t.heartbeat_timeout_s,
+        self.health = HealthManager(c.plan, c.bus, c.prompts, c.heartbeats, cfg.rollout.n, t.heartbeat_timeout_s,
                                     t.max_restarts_per_role, t.max_restarts, c.weights,
-                                    global_recovery=frozenset({"actor", "critic"}))
+                                    global_recovery=c.plan.stateful_roles)
         api = ApiServer(self, self.run_dir).start()
         if cfg.rollout.autoscale.enabled:
             r = cfg.rollout

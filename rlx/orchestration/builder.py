@@ -13,26 +13,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlx.config import ConfigError, RunConfig
+from rlx.config import RunConfig
 from rlx.data import PromptRow, PromptStream, load_splits
 from rlx.data.prompts import encode_prompt
 from rlx.engines.generation import EngineSpec, SamplingParams, build_generation_engine
 from rlx.engines.training import TrainingEngine
 from rlx.engines.training.forward import token_values
+from rlx.errors import ConfigError
 from rlx.models import load_pretrained, load_tokenizer, load_value_model, resolve_model_path
 from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.staleness import StalenessGate
+from rlx.orchestration.plan import RolePlan, build_plan
 from rlx.orchestration.workers import (
-    ACTOR_FWD_INPUTS,
-    ADVANTAGE_INPUTS,
-    REFERENCE_INPUTS,
-    TEACHER_INPUTS,
     ActorWorker,
     AdvantagesWorker,
     CriticWorker,
     LogProbWorker,
     RewardWorker,
     RolloutWorker,
+    Worker,
 )
 from rlx.rewards import build_judge_parser, build_reward
 from rlx.roles import Actor, ActorFwd, Advantages, Critic, GenRM, Reference, Reward, Rollout
@@ -138,6 +137,7 @@ class Components:
     """Every role of a run, in one process (colocated mode)."""
 
     config: RunConfig
+    plan: RolePlan
     tokenizer: PreTrainedTokenizerBase
     rollout: Rollout
     reward: Reward | GenRM
@@ -165,6 +165,7 @@ class Components:
 
 
 def build_components(config: RunConfig) -> Components:
+    plan = build_plan(config)  # roles that do not fit together fail before anything loads
     prepare_process(config)
     train_rows, eval_rows = load_splits(config.data)  # bad data fails here, before any model loads
     reward = build_reward_role(config)
@@ -172,14 +173,15 @@ def build_components(config: RunConfig) -> Components:
     rollout = build_rollout(config, path)
     return Components(
         config=config,
+        plan=plan,
         tokenizer=rollout.tokenizer,
         rollout=rollout,
         reward=reward,
         advantages=build_advantages(config),
         actor=build_actor(config, path),
-        reference=build_reference(config, path),
-        critic=build_critic(config) if config.uses_critic else None,
-        teacher=build_teacher(config, len(rollout.tokenizer)) if config.uses_teacher else None,
+        reference=build_reference(config, path) if plan.has("reference") else None,
+        critic=build_critic(config) if plan.has("critic") else None,
+        teacher=build_teacher(config, len(rollout.tokenizer)) if plan.has("teacher") else None,
         prompts=prompt_source(config, train_rows),
         eval_rows=eval_rows,
     )
@@ -192,13 +194,30 @@ def build_advantages(config: RunConfig) -> Advantages:
 
 @dataclass
 class Workers:
-    rollout: RolloutWorker
-    reward: RewardWorker
-    advantages: AdvantagesWorker
-    reference: LogProbWorker | None
-    critic: CriticWorker | None
-    teacher: LogProbWorker | None
-    actor: ActorWorker
+    """The workers of one process, by the bus task each serves (the Critic serves two tasks)."""
+
+    plan: RolePlan
+    by_task: dict[str, Worker]
+
+    @property
+    def rollout(self) -> RolloutWorker:
+        return self.by_task["rollout"]
+
+    @property
+    def actor(self) -> ActorWorker:
+        return self.by_task["train"]
+
+    @property
+    def reward(self) -> RewardWorker:
+        return self.by_task["reward"]
+
+    @property
+    def advantages(self) -> AdvantagesWorker:
+        return self.by_task["advantages"]
+
+    @property
+    def critic(self) -> CriticWorker | None:
+        return self.by_task.get("critic")
 
 
 def staleness_gate(config: RunConfig, max_staleness: int) -> StalenessGate:
@@ -210,74 +229,65 @@ def prompt_source(config: RunConfig, train_rows: list[PromptRow]) -> PromptSourc
                         staleness_gate(config, config.train.max_staleness))
 
 
-def rollout_worker(config: RunConfig, rollout: Rollout, bus, source: PromptSource, sync_weights: Callable[[], None],
-                   consumer: str = "rollout") -> RolloutWorker:
+def rollout_worker(config: RunConfig, plan: RolePlan, rollout: Rollout, bus, source: PromptSource,
+                   sync_weights: Callable[[], None], consumer: str = "rollout") -> RolloutWorker:
     r, seed = config.rollout, config.train.seed
     return RolloutWorker(rollout, bus, source, prompt_encoder(config, rollout.tokenizer), r.n,
                          lambda first_group: sampling_params(config, seed=seed * 100_003 + first_group),
-                         sync_weights, max_batch_size=r.max_batch_size,
+                         sync_weights, max_batch_size=r.max_batch_size, fields=plan.outputs("rollout"),
                          refill_dropped=config.algorithm.dynamic_sampling, consumer=consumer)
 
 
-def final_tasks(config: RunConfig) -> list[str]:
-    """The last consumers of a row: it is cleared from the bus once all of them took it."""
-    return ["train"] + (["critic_train"] if config.uses_critic else [])
-
-
-def actor_worker(config: RunConfig, actor: Actor, bus, publish: Callable[[], None], max_staleness: int,
-                 with_actor_fwd: bool = False, max_steps: int | None = None) -> ActorWorker:
+def actor_worker(config: RunConfig, plan: RolePlan, actor: Actor, bus, publish: Callable[[], None],
+                 max_staleness: int, max_steps: int | None = None) -> ActorWorker:
     r, t, a = config.rollout, config.train, config.algorithm
-    extra = ((["ref_logprobs"] if a.kl_coef > 0 else []) + (["old_logprobs"] if with_actor_fwd else [])
-             + (["teacher_logprobs"] if config.uses_teacher else []))
     rows = r.prompts_per_step * r.n
     return ActorWorker(actor, bus, rows, t.micro_batch_size, staleness_gate(config, max_staleness),
-                       extra_fields=extra, timeout_s=t.step_timeout_s, publish=publish, max_steps=max_steps,
-                       final_tasks=final_tasks(config),
+                       fields=plan.inputs("train"), timeout_s=t.step_timeout_s, publish=publish, max_steps=max_steps,
+                       final_tasks=plan.final_tasks,
                        dynamic_max_rows=int(rows * a.max_groups_per_step) if a.dynamic_sampling else None,
                        group_size=r.n)
 
 
-def advantages_worker(config: RunConfig, advantages: Advantages, bus) -> AdvantagesWorker:
-    inputs = (ADVANTAGE_INPUTS + (["values"] if config.uses_critic else [])
-              + (["teacher_logprobs", "rollout_logprobs", "response_ids"] if config.uses_teacher else []))
-    return AdvantagesWorker(advantages, bus, config.rollout.n, inputs)
+def advantages_worker(config: RunConfig, plan: RolePlan, advantages: Advantages, bus) -> AdvantagesWorker:
+    return AdvantagesWorker(advantages, bus, config.rollout.n, plan.inputs("advantages"), plan.outputs("advantages"))
 
 
-def reward_worker(config: RunConfig, reward: Reward | GenRM, bus) -> RewardWorker:
+def reward_worker(config: RunConfig, plan: RolePlan, reward: Reward | GenRM, bus) -> RewardWorker:
     unit = "batch" if config.reward.name == "genrm" else config.reward.scope
-    return RewardWorker(reward, bus, unit=unit, group_size=config.rollout.n)
+    return RewardWorker(reward, bus, plan.inputs("reward"), plan.outputs("reward"), unit=unit,
+                        group_size=config.rollout.n)
 
 
-def critic_worker(config: RunConfig, critic: Critic, bus) -> CriticWorker:
+def critic_worker(config: RunConfig, plan: RolePlan, critic: Critic, bus) -> CriticWorker:
     r = config.rollout
-    return CriticWorker(critic, bus, r.prompts_per_step * r.n, config.train.micro_batch_size, final_tasks(config))
+    return CriticWorker(critic, bus, r.prompts_per_step * r.n, config.train.micro_batch_size, plan.final_tasks,
+                        plan.inputs("critic"), plan.inputs("critic_train"))
 
 
-def teacher_worker(config: RunConfig, teacher: Reference, bus) -> LogProbWorker:
-    return LogProbWorker("teacher", teacher, bus, config.train.micro_batch_size, TEACHER_INPUTS, "teacher_logprobs")
-
-
-def reference_worker(config: RunConfig, reference: Reference, bus,
-                     sync_weights: Callable[[], None] = lambda: None) -> LogProbWorker:
-    return LogProbWorker("reference", reference, bus, config.train.micro_batch_size, REFERENCE_INPUTS,
-                         "ref_logprobs", before_batch=sync_weights)
-
-
-def actor_fwd_worker(config: RunConfig, actor_fwd, bus, sync_weights: Callable[[], None]) -> LogProbWorker:
-    return LogProbWorker("actor_fwd", actor_fwd, bus, config.train.micro_batch_size, ACTOR_FWD_INPUTS,
-                         "old_logprobs", before_batch=sync_weights)
+def logprob_worker(config: RunConfig, plan: RolePlan, task: str, role: Reference, bus,
+                   sync_weights: Callable[[], None] = lambda: None) -> LogProbWorker:
+    """The worker of a forward-only role (Reference, Teacher, ActorFwd), named after its bus task."""
+    return LogProbWorker(task, role, bus, config.train.micro_batch_size, plan.inputs(task), plan.outputs(task),
+                         before_batch=sync_weights)
 
 
 def build_workers(c: Components, bus, sync_weights: Callable[[], None],
                   publish: Callable[[], None], max_staleness: int) -> Workers:
     """Connect the roles of `c` to `bus`; the callables say how weights travel in this mode."""
-    cfg = c.config
-    return Workers(
-        rollout=rollout_worker(cfg, c.rollout, bus, c.prompts, sync_weights),
-        reward=reward_worker(cfg, c.reward, bus),
-        advantages=advantages_worker(cfg, c.advantages, bus),
-        reference=reference_worker(cfg, c.reference, bus) if c.reference is not None else None,
-        critic=critic_worker(cfg, c.critic, bus) if c.critic is not None else None,
-        teacher=teacher_worker(cfg, c.teacher, bus) if c.teacher is not None else None,
-        actor=actor_worker(cfg, c.actor, bus, publish, max_staleness),
-    )
+    cfg, plan = c.config, c.plan
+    by_role: dict[str, Callable[[], Worker]] = {
+        "rollout": lambda: rollout_worker(cfg, plan, c.rollout, bus, c.prompts, sync_weights),
+        "reward": lambda: reward_worker(cfg, plan, c.reward, bus),
+        "genrm": lambda: reward_worker(cfg, plan, c.reward, bus),
+        "advantages": lambda: advantages_worker(cfg, plan, c.advantages, bus),
+        "reference": lambda: logprob_worker(cfg, plan, "reference", c.reference, bus),
+        "critic": lambda: critic_worker(cfg, plan, c.critic, bus),
+        "teacher": lambda: logprob_worker(cfg, plan, "teacher", c.teacher, bus),
+        "actor": lambda: actor_worker(cfg, plan, c.actor, bus, publish, max_staleness),
+    }
+    by_task: dict[str, Worker] = {}
+    for role in plan.roles:
+        worker = by_role[role.name]()
+        by_task.update({task: worker for task in role.tasks})
+    return Workers(plan, by_task)

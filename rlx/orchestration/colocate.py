@@ -15,6 +15,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from rlx.bus import LocalBus
+from rlx.checkpoints import staged_checkpoint
 from rlx.config import RunConfig
 from rlx.obs import Alerts, MetricsWriter, plot_run
 from rlx.orchestration.builder import Workers, build_components, build_workers
@@ -37,18 +38,11 @@ class PhaseTimer:
 
 
 def score_new_samples(workers: Workers, timer: PhaseTimer) -> None:
-    """Everything between generation and training, in dataflow order (see DESIGN.md)."""
-    with timer("reward"):
-        workers.reward.drain()
-    for phase, worker in (("critic", workers.critic), ("teacher", workers.teacher)):
-        if worker is not None:
-            with timer(phase):
-                worker.drain()  # values / teacher log-probs: advantages need them
-    with timer("advantages"):
-        workers.advantages.drain()
-    if workers.reference is not None:
-        with timer("reference"):
-            workers.reference.drain()
+    """Everything between generation and training, in the role plan's dataflow order."""
+    order = workers.plan.phase_order
+    for task in order[: order.index("train")]:
+        with timer(task):
+            workers.by_task[task].drain()
 
 
 def generate_step(workers: Workers, config: RunConfig, timer: PhaseTimer) -> int:
@@ -76,9 +70,11 @@ def train_one_step(workers: Workers, config: RunConfig) -> dict[str, float]:
     with timer("train"):
         metrics = workers.actor.train_step(rows)
     del metrics["finished_at"]  # the async driver's clock; this loop times its steps itself
+    order = workers.plan.phase_order
+    for task in order[order.index("train") + 1 :]:  # the Critic's training, once returns are known
+        with timer(task):
+            workers.by_task[task].drain()
     if workers.critic is not None:
-        with timer("critic_train"):
-            workers.critic.drain()
         metrics.update(workers.critic.reports.drain()[-1])
     metrics.update(timer.metrics(), time_step_s=sum(timer.seconds.values()), groups_sampled=float(groups))
     metrics["gen_tokens_per_s"] = metrics["response_length"] * rows / max(timer.seconds["rollout"], 1e-9)
@@ -124,9 +120,10 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
 
     def save() -> None:
         state = {"loop_step": step, "data_position": c.prompts.stream.position, "totals": dict(totals)}
-        path = c.actor.engine.save_checkpoint(checkpoint_path(run_dir, step), state)
-        if c.critic is not None:  # stateful too: the value model and its optimizer
-            c.critic.engine.save_checkpoint(path / "critic", state)
+        with staged_checkpoint(checkpoint_path(run_dir, step)) as staging:  # one unit: complete or absent
+            c.actor.engine.write_checkpoint(staging, state)
+            if c.critic is not None:  # stateful too: the value model and its optimizer
+                c.critic.engine.write_checkpoint(staging / "critic", state)
 
     if not resume:
         writer.write(0, run_eval())

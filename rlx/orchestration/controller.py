@@ -5,40 +5,26 @@ shuts everything down. The async loop that drives a run lives in `async_run.py`.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any, Callable
 
 import ray
 from ray import serve
 
-from rlx.bus.core import BusIndex
 from rlx.bus.ray_bus import Bus
 from rlx.config import RunConfig
 from rlx.data import load_splits
 from rlx.orchestration.builder import prompt_source
 from rlx.orchestration.cluster import start_ray, stop_ray
-from rlx.orchestration.health import TASK_OUTPUTS
 from rlx.orchestration.heartbeats import RemoteHeartbeats
 from rlx.orchestration.prompt_source import PromptSourceClient, RemotePromptSource
-from rlx.orchestration.services import RoleService, Shared, uses_actor_fwd
+from rlx.orchestration.plan import build_plan
+from rlx.orchestration.resume import resume_plan
+from rlx.orchestration.services import RoleService, Shared
+from rlx.run_state import load_run_state
 from rlx.weights.sync import WeightSync
 
 DRAIN_S = 60  # a removed rollout replica finishes its groups within this, or they are handed out again
-
-
-def role_names(config: RunConfig) -> list[str]:
-    """The roles this config needs, in start order (the Actor first: it publishes version 0)."""
-    roles = ["actor", "genrm" if config.reward.name == "genrm" else "reward", "advantages"]
-    if config.algorithm.kl_coef > 0:
-        roles.append("reference")
-    if config.uses_critic:
-        roles.append("critic")
-    if config.uses_teacher:
-        roles.append("teacher")
-    if uses_actor_fwd(config):
-        roles.append("actor_fwd")
-    return roles + ["rollout"]
 
 
 class HeartbeatsClient:
@@ -58,6 +44,7 @@ CALL_TIMEOUT_S = 600.0  # a checkpoint of a large model can take minutes; anythi
 class Controller:
     def __init__(self, config: RunConfig, echo: Callable[[str], None] = print) -> None:
         self.config, self.echo = config, echo
+        self.plan = build_plan(config)
         self.handles: dict[str, Any] = {}
         self.rollout_replicas = config.initial_rollout_replicas
         self.started_ray = False
@@ -79,19 +66,17 @@ class Controller:
         self.shared = Shared(self.bus, self.weights, self.prompts, beats,
                              str(run_dir))
         if resume_from is not None:
-            self._restore(pickle.loads((resume_from / "run_state.pkl").read_bytes()))
+            self._restore(load_run_state(resume_from))
 
     def _restore(self, run_state: dict[str, Any]) -> None:
         """Groups unfinished at the checkpoint (fewer than n rows made) are made again; every other
         row returns to the bus, handed again to any task whose output it lacks. The Critic resumes
         from its own newest checkpoint, taken on its own clock: it trains again on the rows it
         took that are still on the bus, as after a lost Critic."""
-        bus, prompts = run_state["bus"], run_state["prompts"]
-        made = bus.get("rows_per_group", {})
-        redo = [g for g in prompts["unfinished"] if made.get(g, 0) < self.config.rollout.n]
-        self.bus.restore(BusIndex.resumable(bus, redo, TASK_OUTPUTS, retake=frozenset({"critic_train"})))
-        self.prompts.resume({"position": prompts["position"], "unfinished": redo,
-                             "rolled_back": prompts.get("rolled_back", 0)})
+        bus, prompts = resume_plan(run_state, self.config.rollout.n, self.plan.task_outputs,
+                                   retake=frozenset(self.plan.final_tasks) - {"train"})
+        self.bus.restore(bus)
+        self.prompts.resume(prompts)
 
     def _target(self, role: str, replicas: int) -> serve.RunTarget:
         cfg, res = self.config, getattr(self.config.resources, role)
@@ -108,7 +93,7 @@ class Controller:
         """One Serve application per role (its own fault domain), deployed in parallel; each role
         starts working as soon as its replicas are up (`resources.<role>.replicas`: they share the
         role's bus tasks, so a lost one's work goes on in the others while Serve replaces it)."""
-        roles = role_names(self.config)
+        roles = self.plan.role_names
         targets = [self._target(role, self.rollout_replicas if role == "rollout"
                                 else getattr(self.config.resources, role).replicas) for role in roles]
         self.handles = dict(zip(roles, serve.run_many(targets)))

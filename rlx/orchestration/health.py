@@ -25,26 +25,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 if TYPE_CHECKING:
+    from rlx.orchestration.plan import RolePlan
     from rlx.weights import WeightSync
-
-STATEFUL_ROLES = frozenset({"actor", "critic"})
-# role -> what it takes rows for: (bus task, the field it writes when done with a row; None: the
-# role clears the rows it is done with, or finished them with a step lost along with it, so every
-# row it still holds is unfinished)
-UNFINISHED_WORK: dict[str, list[tuple[str, str | None]]] = {
-    "reward": [("reward", "reward")],
-    "genrm": [("reward", "reward")],
-    "advantages": [("advantages", "advantage")],
-    "reference": [("reference", "ref_logprobs")],
-    "actor_fwd": [("actor_fwd", "old_logprobs")],
-    "teacher": [("teacher", "teacher_logprobs")],
-    "actor": [("train", None)],
-    "critic": [("critic", "values"), ("critic_train", None)],
-}
-
-# bus task -> the field it writes
-TASK_OUTPUTS = {task: field for work in UNFINISHED_WORK.values() for task, field in work if field is not None}
-
 
 class RoleFailed(RuntimeError):
     """A role could not be kept alive; the message names the role, what happened and what to do."""
@@ -67,11 +49,13 @@ class Recovery:
 
 
 class HealthManager:
-    def __init__(self, bus, prompts, heartbeats, group_size: int, dead_after_s: float,
+    def __init__(self, plan: RolePlan, bus, prompts, heartbeats, group_size: int, dead_after_s: float,
                  max_restarts_per_role: int, max_restarts: int, weights: WeightSync | None = None,
                  global_recovery: frozenset[str] = frozenset()) -> None:
-        """`global_recovery`: stateful roles whose loss restarts them from the last checkpoint
-        instead of stopping the run."""
+        """`plan` says which roles are stateful and what each one's unfinished work is;
+        `global_recovery`: stateful roles whose loss restarts them from the last checkpoint instead
+        of stopping the run."""
+        self.stateful, self.unfinished_work = plan.stateful_roles, plan.unfinished_work
         self.bus, self.prompts, self.heartbeats, self.group_size = bus, prompts, heartbeats, group_size
         self.weights = weights  # a gone replica must hold no weight version back
         self.global_recovery = global_recovery
@@ -95,7 +79,7 @@ class HealthManager:
             role, status = beat["role"], beat["status"]
             if replica not in self.known:
                 self.known[replica] = (role, time.monotonic() - beat["age_s"], status.get("weight_version"))
-            if status.get("error") and role in STATEFUL_ROLES:
+            if status.get("error") and role in self.stateful:
                 raise RoleFailed(f"role {role!r} failed: {status['error']}")
             if status.get("stopped") and not status.get("failure"):  # scaled in or shut down: it said goodbye
                 self._return_work(role, replica)
@@ -107,7 +91,7 @@ class HealthManager:
         return [self._recover(*death) for death in dead]  # once every live replica is known
 
     def _recover(self, role: str, replica: str, status: dict[str, Any], last_beat: float) -> Recovery:
-        if role in STATEFUL_ROLES and role not in self.global_recovery:
+        if role in self.stateful and role not in self.global_recovery:
             raise RoleFailed(f"role {role!r} lost its replica {replica} (silent for more than {self.dead_after_s:.0f}s);"
                              " it holds the optimizer state, so the run stops here: continue with "
                              "`rlx train <config> --resume`")
@@ -128,7 +112,7 @@ class HealthManager:
         others = sum(1 for other, beat in self.live.items() if beat["role"] == role and self.known[other][1] < died_at)
         recovery = Recovery(role, replica, released, requeued,
                             None if injected is None else time.monotonic() - injected, died_at=died_at,
-                            scope="global" if role in STATEFUL_ROLES else "in place", weights_at_death=weights_now,
+                            scope="global" if role in self.stateful else "in place", weights_at_death=weights_now,
                             others_serving=others)
         self.recoveries.append(recovery)
         return recovery
@@ -150,7 +134,7 @@ class HealthManager:
             self.prompts.requeue(replica, requeued)
             return 0, len(requeued)
         return sum(self.bus.release_held(replica, task, done_field)
-                   for task, done_field in UNFINISHED_WORK.get(role, [])), 0
+                   for task, done_field in self.unfinished_work.get(role, [])), 0
 
     def busy(self) -> dict[str, float]:
         """Each role's busy fraction, averaged over its live replicas."""

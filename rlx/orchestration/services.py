@@ -11,7 +11,6 @@ HealthManager can hand a dead replica's unfinished rows back.
 from __future__ import annotations
 
 import os
-import pickle
 import threading
 import time
 import uuid
@@ -26,7 +25,6 @@ from rlx.bus.ray_bus import Bus
 from rlx.config import RunConfig
 from rlx.models import load_tokenizer
 from rlx.orchestration.builder import (
-    actor_fwd_worker,
     actor_worker,
     advantages_worker,
     build_actor,
@@ -38,16 +36,18 @@ from rlx.orchestration.builder import (
     build_rollout,
     build_teacher,
     critic_worker,
+    logprob_worker,
     model_path,
     prepare_process,
-    reference_worker,
     reward_worker,
     rollout_worker,
-    teacher_worker,
 )
+from rlx.orchestration.plan import RolePlan, build_plan
 from rlx.orchestration.prompt_source import PromptSourceClient
+from rlx.orchestration.resume import capture_run_state
 from rlx.orchestration.run_dir import latest_checkpoint
 from rlx.orchestration.workers import Worker
+from rlx.run_state import load_run_state
 from rlx.weights.sync import WeightSync
 
 
@@ -74,37 +74,37 @@ def _subscribe(worker_of: Callable[[Callable[[], None]], Worker], shared: Shared
     return worker
 
 
-def _rollout(cfg: RunConfig, shared: Shared) -> Worker:
+def _rollout(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     rollout = build_rollout(cfg, model_path(cfg))
     # DCS hands over read-only object-store snapshots: the engine may keep them instead of copying
-    return _subscribe(lambda sync: rollout_worker(cfg, rollout, shared.bus, shared.prompts, sync,
+    return _subscribe(lambda sync: rollout_worker(cfg, plan, rollout, shared.bus, shared.prompts, sync,
                                                   consumer=shared.bus.consumer), shared,
                       lambda state, version: rollout.load_weights(state, version, shared=True))
 
 
-def _actor(cfg: RunConfig, shared: Shared) -> Worker:
+def _actor(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     actor, publisher = build_actor(cfg, model_path(cfg)), shared.weights.publisher(refill=True)
-    worker = actor_worker(cfg, actor, shared.bus, publish=lambda: publisher.publish(actor.weights(), actor.version),
-                          max_staleness=cfg.train.max_staleness, with_actor_fwd=uses_actor_fwd(cfg),
-                          max_steps=cfg.train.steps)
-    worker.capture = lambda: {"bus": shared.bus.snapshot(), "prompts": shared.prompts.resume_state()}
+    worker = actor_worker(cfg, plan, actor, shared.bus,
+                          publish=lambda: publisher.publish(actor.weights(), actor.version),
+                          max_staleness=cfg.train.max_staleness, max_steps=cfg.train.steps)
+    worker.capture = lambda: capture_run_state(shared.bus, shared.prompts)
     worker.checkpoint_every, worker.run_dir = cfg.train.checkpoint_every, shared.run_dir
     # A resumed run, or a global recovery after the Actor was lost mid-run, starts from the newest
     # checkpoint; the rollback publish makes every engine drop weights newer than it.
     checkpoint = latest_checkpoint(Path(shared.run_dir)) if shared.run_dir else None
     if checkpoint is not None:
         actor.engine.load_checkpoint(checkpoint)
-        worker.restore(pickle.loads((checkpoint / "run_state.pkl").read_bytes()))
+        worker.restore(load_run_state(checkpoint))
     publisher.publish(actor.weights(), actor.version, rollback=True)
     worker.on_stop.append(publisher.close)
     return worker
 
 
-def _critic(cfg: RunConfig, shared: Shared) -> Worker:
+def _critic(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     """The Critic holds the value model's optimizer state: a replacement after a loss starts from
     the Critic's own newest checkpoint (a value model a few steps old; the policy is unaffected)."""
     critic = build_critic(cfg)
-    worker = critic_worker(cfg, critic, shared.bus)
+    worker = critic_worker(cfg, plan, critic, shared.bus)
     worker.checkpoint_every, worker.run_dir = cfg.train.checkpoint_every, shared.run_dir
     checkpoint = latest_checkpoint(Path(shared.run_dir), "critic") if shared.run_dir else None
     if checkpoint is not None:
@@ -112,38 +112,36 @@ def _critic(cfg: RunConfig, shared: Shared) -> Worker:
     return worker
 
 
-def _reference(cfg: RunConfig, shared: Shared) -> Worker:
+def _reference(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     """A frozen reference needs no weights after its start; one that follows the policy subscribes
     to DCS and takes a version when its refresh is due (a replacement starts from the latest)."""
     reference = build_reference(cfg, model_path(cfg))
     if not reference.refresh_every:
-        return reference_worker(cfg, reference, shared.bus)
-    return _subscribe(lambda sync: reference_worker(cfg, reference, shared.bus, sync), shared, reference.refresh)
+        return logprob_worker(cfg, plan, "reference", reference, shared.bus)
+    return _subscribe(lambda sync: logprob_worker(cfg, plan, "reference", reference, shared.bus, sync), shared,
+                      reference.refresh)
 
 
-def _actor_fwd(cfg: RunConfig, shared: Shared) -> Worker:
+def _actor_fwd(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     actor_fwd = build_actor_fwd(cfg, model_path(cfg))
-    return _subscribe(lambda sync: actor_fwd_worker(cfg, actor_fwd, shared.bus, sync), shared, actor_fwd.load_weights)
+    return _subscribe(lambda sync: logprob_worker(cfg, plan, "actor_fwd", actor_fwd, shared.bus, sync), shared,
+                      actor_fwd.load_weights)
 
 
-def uses_actor_fwd(cfg: RunConfig) -> bool:
-    """Decoupled PPO needs the proximal policy's log-probs from a separate forward pass."""
-    return cfg.algorithm.behavior_correction == "decoupled"
+def _teacher(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
+    teacher = build_teacher(cfg, len(load_tokenizer(model_path(cfg))))
+    return logprob_worker(cfg, plan, "teacher", teacher, shared.bus)
 
 
-def _teacher(cfg: RunConfig, shared: Shared) -> Worker:
-    return teacher_worker(cfg, build_teacher(cfg, len(load_tokenizer(model_path(cfg)))), shared.bus)
+def _reward(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
+    return reward_worker(cfg, plan, build_reward_role(cfg), shared.bus)
 
 
-def _reward(cfg: RunConfig, shared: Shared) -> Worker:
-    return reward_worker(cfg, build_reward_role(cfg), shared.bus)
-
-
-SERVICE_BUILDERS: dict[str, Callable[[RunConfig, Shared], Worker]] = {
+SERVICE_BUILDERS: dict[str, Callable[[RunConfig, RolePlan, Shared], Worker]] = {
     "rollout": _rollout,
     "reward": _reward,
     "genrm": _reward,  # the judge model's own service, in the reward role's place
-    "advantages": lambda cfg, shared: advantages_worker(cfg, build_advantages(cfg), shared.bus),
+    "advantages": lambda cfg, plan, shared: advantages_worker(cfg, plan, build_advantages(cfg), shared.bus),
     "reference": _reference,
     "critic": _critic,
     "teacher": _teacher,
@@ -171,7 +169,7 @@ class RoleService:
         self.heartbeats = shared.heartbeats
         shared = Shared(shared.bus.for_consumer(self.consumer), shared.weights, shared.prompts, shared.heartbeats,
                         shared.run_dir)
-        self.worker = SERVICE_BUILDERS[role](cfg, shared)
+        self.worker = SERVICE_BUILDERS[role](cfg, build_plan(cfg), shared)
         self.worker.run_forever()
         self.stopped = threading.Event()
         self.failure: str | None = None  # why the health check failed, if it did

@@ -7,7 +7,6 @@ own thread in its own service (async mode calls `run_forever`). Roles stay unawa
 from __future__ import annotations
 
 import abc
-import pickle
 import threading
 import time
 import uuid
@@ -27,22 +26,9 @@ from rlx.orchestration.run_dir import checkpoint_path
 from rlx.orchestration.staleness import StalenessGate
 from rlx.roles import Actor, Advantages, Critic, Reference, Rollout
 from rlx.roles.rollout import Group
+from rlx.run_state import encode_run_state
 
 SAMPLE_FIELDS = {f.name for f in dataclass_fields(Sample)} - {"uid"}
-ROLLOUT_FIELDS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "behavior_version",
-                  "last_behavior_version",
-                  "finish_reason", "response_text", "prompt_text", "label", "metadata"]
-REWARD_INPUTS = ["group_id", "response_ids", "response_text", "prompt_text", "label", "metadata"]
-ADVANTAGE_INPUTS = ["group_id", "reward", "reward_error"]
-ADVANTAGE_OUTPUTS = ["advantage", "token_advantages", "returns", "filter_reason"]
-CRITIC_INPUTS = ["group_id", "prompt_ids", "response_ids"]
-CRITIC_TRAIN_INPUTS = ["group_id", "prompt_ids", "response_ids", "values", "returns", "filter_reason"]
-TEACHER_INPUTS = ["group_id", "prompt_ids", "response_ids"]  # advantages wait for it: every sample
-REFERENCE_INPUTS = ["group_id", "prompt_ids", "response_ids", "filter_reason"]  # skips filtered samples
-ACTOR_FWD_INPUTS = ["group_id", "prompt_ids", "response_ids"]  # starts as soon as a sample exists
-TRAIN_INPUTS = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "behavior_version", "finish_reason",
-                "reward", "reward_error", "advantage", "token_advantages", "filter_reason"]
-
 
 def to_samples(row_ids: list[int], values: dict[str, list]) -> list[Sample]:
     names = [name for name in values if name in SAMPLE_FIELDS]
@@ -170,18 +156,18 @@ class RewardWorker(Worker):
     "batch" (GenRM: one batched generation per call, one call at a time).
     """
 
-    def __init__(self, role: Any, bus, unit: str = "sample", group_size: int = 1, batch_size: int = 32,
-                 concurrency: int = 8) -> None:
+    def __init__(self, role: Any, bus, inputs: list[str], outputs: list[str], unit: str = "sample",
+                 group_size: int = 1, batch_size: int = 32, concurrency: int = 8) -> None:
         super().__init__("reward")
         self.role, self.bus, self.unit, self.group_size = role, bus, unit, group_size
+        self.inputs, self.outputs = inputs, outputs
         self.batch_size, self.concurrency = batch_size, 1 if unit == "batch" else concurrency
         self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="rlx-reward")
         self.in_flight: set[Future] = set()
 
     def _score(self, rows: list[int], samples: list[Sample]) -> None:
         self._timed(lambda: self.role.score(samples))
-        self.bus.put_fields(rows, {"reward": [s.reward for s in samples],
-                                   "reward_error": [s.reward_error for s in samples]})
+        self.bus.put_fields(rows, {name: [getattr(s, name) for s in samples] for name in self.outputs})
         self.items += len(rows)
 
     def _units(self, rows: list[int], samples: list[Sample]) -> list[tuple[list[int], list[Sample]]]:
@@ -207,7 +193,7 @@ class RewardWorker(Worker):
         if room > 0:
             size = {"sample": room, "group": room * self.group_size, "batch": self.batch_size}[self.unit]
             sampler = ("group", self.group_size) if self.unit == "group" else None
-            rows, values = self.bus.poll("reward", REWARD_INPUTS, size, self.poll_timeout_s, sampler=sampler,
+            rows, values = self.bus.poll("reward", self.inputs, size, self.poll_timeout_s, sampler=sampler,
                                          partial=True)
             for unit_rows, unit_samples in self._units(rows, to_samples(rows, values) if rows else []):
                 self.in_flight.add(self.pool.submit(self._score, unit_rows, unit_samples))
@@ -227,10 +213,10 @@ class AdvantagesWorker(Worker):
     """Whole groups in, advantages out; groups dropped for equal rewards are counted on the bus,
     where dynamic sampling's admission control reads them."""
 
-    def __init__(self, role: Advantages, bus, group_size: int, inputs: list[str] = ADVANTAGE_INPUTS,
+    def __init__(self, role: Advantages, bus, group_size: int, inputs: list[str], outputs: list[str],
                  groups_per_batch: int = 8) -> None:
         super().__init__("advantages")
-        self.role, self.bus, self.inputs = role, bus, inputs
+        self.role, self.bus, self.inputs, self.outputs = role, bus, inputs, outputs
         self.group_size, self.groups_per_batch = group_size, groups_per_batch
         self.dropped_groups = 0
 
@@ -241,7 +227,7 @@ class AdvantagesWorker(Worker):
             return 0
         samples = to_samples(rows, values)
         result = self._timed(lambda: self.role.compute(samples))
-        self.bus.put_fields(rows, {name: [getattr(s, name) for s in samples] for name in ADVANTAGE_OUTPUTS})
+        self.bus.put_fields(rows, {name: [getattr(s, name) for s in samples] for name in self.outputs})
         if result.dropped_groups:
             self.dropped_groups += result.dropped_groups
             self.bus.count("groups_dropped", result.dropped_groups)
@@ -253,9 +239,11 @@ class CriticWorker(Worker):
     """The Critic's two jobs, interleaved without blocking either: values for new samples (which
     advantages wait on) and training steps on samples whose returns are known."""
 
-    def __init__(self, role: Critic, bus, rows_per_step: int, micro_batch_size: int, final_tasks: list[str]) -> None:
+    def __init__(self, role: Critic, bus, rows_per_step: int, micro_batch_size: int, final_tasks: list[str],
+                 value_inputs: list[str], train_inputs: list[str]) -> None:
         super().__init__("critic")
         self.role, self.bus, self.final_tasks = role, bus, final_tasks
+        self.value_inputs, self.train_inputs = value_inputs, train_inputs
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
         self.remaining: int | None = None  # rows left in the open training step
         self.reports = StepReports()
@@ -263,7 +251,7 @@ class CriticWorker(Worker):
         self.checkpoint_every, self.run_dir = 0, None
 
     def _values(self) -> int:
-        rows, values = self.bus.poll("critic", CRITIC_INPUTS, self.micro_batch_size, self.poll_timeout_s, partial=True)
+        rows, values = self.bus.poll("critic", self.value_inputs, self.micro_batch_size, self.poll_timeout_s, partial=True)
         if rows:
             out = self._timed(lambda: self.role.values(to_samples(rows, values)))
             self.bus.put_fields(rows, {"values": out})
@@ -273,7 +261,7 @@ class CriticWorker(Worker):
         if self.remaining is None:
             self.role.begin_step()
             self.remaining = self.rows_per_step
-        rows, values = self.bus.poll("critic_train", CRITIC_TRAIN_INPUTS, min(self.micro_batch_size, self.remaining),
+        rows, values = self.bus.poll("critic_train", self.train_inputs, min(self.micro_batch_size, self.remaining),
                                      self.poll_timeout_s, partial=True)
         if not rows:
             return 0
@@ -303,13 +291,14 @@ class CriticWorker(Worker):
 
 class LogProbWorker(Worker):
     """Forward-only log-probs of each sample's response (Reference and ActorFwd: trainable ones only;
-    Teacher: all, since advantages need them)."""
+    Teacher: all, since advantages need them). `outputs[0]` receives the log-probs; a
+    `proximal_version` output records the weight version they were computed with (ActorFwd)."""
 
-    def __init__(self, name: str, role: Reference, bus, batch_size: int, inputs: list[str], output: str,
+    def __init__(self, name: str, role: Reference, bus, batch_size: int, inputs: list[str], outputs: list[str],
                  before_batch: Callable[[], None] = lambda: None) -> None:
         super().__init__(name)
         self.role, self.bus, self.batch_size = role, bus, batch_size
-        self.inputs, self.output, self.before_batch = inputs, output, before_batch
+        self.inputs, self.outputs, self.before_batch = inputs, outputs, before_batch
 
     def work_once(self) -> int:
         rows, values = self.bus.poll(self.name, self.inputs, self.batch_size, self.poll_timeout_s, partial=True)
@@ -319,8 +308,10 @@ class LogProbWorker(Worker):
         samples = to_samples(rows, values)
         trainable = [s for s in samples if s.filter_reason is None]
         logprobs = iter(self._timed(lambda: self.role.logprobs(trainable)) if trainable else [])
-        self.bus.put_fields(rows, {self.output: [next(logprobs) if s.filter_reason is None else None
-                                                 for s in samples]})
+        written = {self.outputs[0]: [next(logprobs) if s.filter_reason is None else None for s in samples]}
+        if "proximal_version" in self.outputs:
+            written["proximal_version"] = [self.role.weight_version] * len(samples)
+        self.bus.put_fields(rows, written)
         self.items += len(rows)
         return len(rows)
 
@@ -338,8 +329,9 @@ class RolloutWorker(Worker):
 
     def __init__(self, role: Rollout, bus, source: PromptSource, encode: Callable[[PromptRow], list[int]], n: int,
                  sampling: Callable[[int], SamplingParams], sync_weights: Callable[[], Any], max_batch_size: int,
-                 refill_dropped: bool = False, consumer: str = "rollout") -> None:
+                 fields: list[str], refill_dropped: bool = False, consumer: str = "rollout") -> None:
         super().__init__("rollout")
+        self.fields = fields
         self.role, self.bus, self.source, self.encode, self.n = role, bus, source, encode, n
         self.sampling, self.sync_weights, self.max_batch_size = sampling, sync_weights, max_batch_size
         self.refill_dropped, self.consumer = refill_dropped, consumer
@@ -377,7 +369,7 @@ class RolloutWorker(Worker):
         mark = time.monotonic()  # busy time is booked per sample: one continuous stream can last a whole run
         for sample in self.role.generate(groups, self.n, params, more_groups=self.admit if continuous else None,
                                          between_steps=self._between_steps if continuous else None):
-            self.bus.put({name: [getattr(sample, name)] for name in ROLLOUT_FIELDS}, group_ids=[sample.group_id],
+            self.bus.put({name: [getattr(sample, name)] for name in self.fields}, group_ids=[sample.group_id],
                          num_tokens=[sample_tokens(sample)])
             self._pending[sample.group_id] -= 1
             if self._pending[sample.group_id] == 0:
@@ -412,7 +404,7 @@ class ActorWorker(Worker):
     """One optimizer step per `rows_per_step` rows, trained micro-batch by micro-batch as they arrive."""
 
     def __init__(self, role: Actor, bus, rows_per_step: int, micro_batch_size: int, gate: StalenessGate,
-                 extra_fields: list[str], timeout_s: float, publish: Callable[[], None],
+                 fields: list[str], timeout_s: float, publish: Callable[[], None],
                  max_steps: int | None = None, final_tasks: list[str] = ("train",),
                  dynamic_max_rows: int | None = None, group_size: int = 1) -> None:
         """`final_tasks`: the last consumers of a row, cleared once all took it. `dynamic_max_rows`
@@ -420,7 +412,7 @@ class ActorWorker(Worker):
         super().__init__("actor")
         self.role, self.bus, self.gate = role, bus, gate
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
-        self.fields = TRAIN_INPUTS + extra_fields
+        self.fields = fields
         self.timeout_s, self.publish, self.max_steps = timeout_s, publish, max_steps
         self.final_tasks, self.dynamic_max_rows = list(final_tasks), dynamic_max_rows
         self.group_size, self.samples_per_group = group_size, Counter()  # to prove nothing arrives twice
@@ -503,13 +495,13 @@ class ActorWorker(Worker):
     def save_checkpoint(self, run_dir: str, extra_state: dict[str, Any]) -> str:
         """Between two steps, into `<run_dir>/checkpoints/step_<the trainer's own step>`: the model,
         the optimizer and (async mode) `self.capture()`, the state of the bus and the prompt source
-        taken while the trainer cannot consume, in `run_state.pkl`."""
+        taken while the trainer cannot consume, as run-state data files (`rlx.run_state`)."""
         with self.lock:
             step = self.role.version  # the driver's count may lag: the trainer's is the truth
             run_state = {"samples_per_group": dict(self.samples_per_group), **(self.capture() if self.capture else {})}
             return str(self.role.engine.save_checkpoint(checkpoint_path(Path(run_dir), step),
                                                         {**extra_state, "loop_step": step},
-                                                        {"run_state.pkl": pickle.dumps(run_state)}))
+                                                        encode_run_state(run_state)))
 
     def restore(self, run_state: dict[str, Any]) -> None:
         self.samples_per_group = Counter(run_state["samples_per_group"])
@@ -530,8 +522,15 @@ def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, floa
         "mixed_version_fraction": sum(s.last_behavior_version not in (None, s.behavior_version)
                                       for s in samples) / max(1, len(samples)),
         **{f"staleness_{k}": float(v) for k, v in sorted(staleness.items())},
+        **proximal_metrics(samples, trainer_version),
         **distillation_metrics(samples),
     }
+
+
+def proximal_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
+    """How far behind the trainer the proximal policy of decoupled PPO was (ActorFwd's weights)."""
+    lags = [trainer_version - s.proximal_version for s in samples if s.proximal_version is not None]
+    return {"proximal_staleness_mean": sum(lags) / len(lags), "proximal_staleness_max": float(max(lags))} if lags else {}
 
 
 def distillation_metrics(samples: list[Sample]) -> dict[str, float]:

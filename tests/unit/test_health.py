@@ -13,7 +13,9 @@ import pytest
 from rlx.bus import LocalBus
 from rlx.data.rows import PromptRow
 from rlx.data.stream import PromptStream
+from rlx.config import RunConfig
 from rlx.orchestration.health import HealthManager, RoleFailed
+from rlx.orchestration.plan import build_plan
 from rlx.orchestration.heartbeats import Heartbeats
 from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.staleness import StalenessGate
@@ -25,7 +27,9 @@ N = 2  # responses per prompt
 def setup():
     bus, beats = LocalBus(), Heartbeats()
     prompts = PromptSource(PromptStream([PromptRow(f"q{i}", "a") for i in range(10)], seed=0), StalenessGate(0, 2))
-    health = HealthManager(bus, prompts, beats, group_size=N, dead_after_s=5, max_restarts_per_role=1, max_restarts=5)
+    plan = build_plan(RunConfig(algorithm={"kl_coef": 0.1}))  # a Reference too: a role with replicas
+    health = HealthManager(plan, bus, prompts, beats, group_size=N, dead_after_s=5, max_restarts_per_role=1,
+                           max_restarts=5)
     return bus, beats, prompts, health
 
 

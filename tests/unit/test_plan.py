@@ -1,0 +1,107 @@
+"""The role plan: hand-checked roles and bus fields for each algorithm family."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlx.config import ConfigError, build_config
+from rlx.orchestration.plan import FIELDS, ROLES, FieldSpec, build_plan
+
+ROLLOUT_WRITES = {"group_id", "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "behavior_version",
+                  "last_behavior_version", "finish_reason", "response_text", "prompt_text", "label", "metadata"}
+TOKENS = {"group_id", "prompt_ids", "response_ids"}
+TRAIN_BASE = {"group_id", "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "behavior_version",
+              "last_behavior_version", "finish_reason", "reward", "reward_error", "advantage", "token_advantages",
+              "filter_reason"}
+ADVANTAGES_BASE = {"group_id", "response_ids", "rollout_logprobs", "reward", "reward_error"}
+ADVANTAGES_WRITES = {"advantage", "token_advantages", "returns", "filter_reason"}
+
+
+def plan_of(**sections):
+    return build_plan(build_config(sections))
+
+
+def test_grpo_runs_rollout_reward_advantages_and_actor():
+    plan = plan_of()
+    assert plan.role_names == ["actor", "reward", "advantages", "rollout"]
+    assert set(plan.outputs("rollout")) == ROLLOUT_WRITES
+    assert set(plan.inputs("reward")) == {"group_id", "response_ids", "response_text", "prompt_text", "label",
+                                          "metadata"}
+    assert set(plan.outputs("reward")) == {"reward", "reward_error"}
+    assert set(plan.inputs("advantages")) == ADVANTAGES_BASE
+    assert set(plan.outputs("advantages")) == ADVANTAGES_WRITES
+    assert set(plan.inputs("train")) == TRAIN_BASE
+    assert plan.final_tasks == ["train"]
+    assert plan.phase_order == ["reward", "advantages", "train"]
+    assert plan.stateful_roles == {"actor"}
+    assert plan.unfinished_work == {"actor": [("train", None)], "reward": [("reward", "reward")],
+                                    "advantages": [("advantages", "advantage")]}
+
+
+def test_kl_adds_a_reference_that_skips_filtered_samples():
+    plan = plan_of(algorithm={"kl_coef": 0.05})
+    assert plan.role_names == ["actor", "reward", "advantages", "reference", "rollout"]
+    assert set(plan.inputs("reference")) == TOKENS | {"filter_reason"}  # after advantages: skips filtered rows
+    assert plan.outputs("reference") == ["ref_logprobs"]
+    assert set(plan.inputs("train")) == TRAIN_BASE | {"ref_logprobs"}
+    assert plan.phase_order == ["reward", "advantages", "reference", "train"]
+
+
+def test_ppo_adds_a_critic_with_two_tasks():
+    plan = plan_of(algorithm={"advantage": "gae"}, rollout={"n": 1})
+    assert plan.role_names == ["actor", "reward", "advantages", "critic", "rollout"]
+    assert set(plan.inputs("critic")) == TOKENS
+    assert plan.outputs("critic") == ["values"]
+    assert set(plan.inputs("advantages")) == ADVANTAGES_BASE | {"values"}
+    assert set(plan.inputs("critic_train")) == TOKENS | {"loss_mask", "values", "returns", "filter_reason"}
+    assert plan.final_tasks == ["train", "critic_train"]
+    assert plan.phase_order == ["reward", "critic", "advantages", "train", "critic_train"]
+    assert plan.stateful_roles == {"actor", "critic"}
+    assert plan.unfinished_work["critic"] == [("critic", "values"), ("critic_train", None)]
+
+
+def test_on_policy_distillation_adds_a_teacher_before_advantages():
+    plan = plan_of(algorithm={"advantage": "none"}, teacher={"path": "tiny-char"})
+    assert plan.role_names == ["actor", "reward", "advantages", "teacher", "rollout"]
+    assert set(plan.inputs("teacher")) == TOKENS
+    assert set(plan.inputs("advantages")) == ADVANTAGES_BASE | {"teacher_logprobs"}
+    assert set(plan.inputs("train")) == TRAIN_BASE | {"teacher_logprobs"}
+    assert plan.phase_order == ["reward", "teacher", "advantages", "train"]
+
+
+def test_genrm_takes_the_reward_task():
+    plan = plan_of(reward={"name": "genrm"})
+    assert plan.role_names == ["actor", "genrm", "advantages", "rollout"]
+    assert plan.tasks["reward"] == "genrm"
+    assert plan.unfinished_work["genrm"] == [("reward", "reward")]
+
+
+def test_decoupled_ppo_adds_actor_fwd_in_async_mode_only():
+    sections = {"algorithm": {"behavior_correction": "decoupled"}, "train": {"mode": "async", "max_staleness": 2}}
+    plan = plan_of(**sections)
+    assert plan.role_names == ["actor", "reward", "advantages", "actor_fwd", "rollout"]
+    assert set(plan.inputs("actor_fwd")) == TOKENS  # starts as soon as a sample exists
+    assert plan.outputs("actor_fwd") == ["old_logprobs", "proximal_version"]
+    assert set(plan.inputs("train")) == TRAIN_BASE | {"old_logprobs", "proximal_version"}
+    colocated = plan_of(algorithm={"behavior_correction": "decoupled"})
+    assert not colocated.has("actor_fwd")
+
+
+def test_a_needed_field_without_a_writer_names_the_reader_the_field_and_the_writer():
+    without_reference = tuple(role for role in ROLES if role.name != "reference")
+    with pytest.raises(ConfigError, match="'train' needs field 'ref_logprobs'.*'reference'"):
+        build_plan(build_config({"algorithm": {"kl_coef": 0.1}}), roles=without_reference)
+
+
+def test_a_cycle_of_reads_is_a_config_error():
+    echo = FieldSpec("echo", "advantages", ("reward",), "float32")  # reward would wait on advantages, which wait on it
+    with pytest.raises(ConfigError, match="cycle"):
+        build_plan(build_config({}), fields=(*FIELDS, echo))
+
+
+def test_every_field_has_a_schema_and_token_fields_say_so():
+    by_name = {f.name: f for f in FIELDS}
+    assert by_name["loss_mask"].token_aligned and by_name["ref_logprobs"].token_aligned
+    assert not by_name["reward"].token_aligned and by_name["prompt_ids"].shape == ("P",)
+    assert {f.scope for f in FIELDS} == {"row"}
+    assert len(by_name) == len(FIELDS)  # each field declared once
