@@ -1,0 +1,115 @@
+"""What is reachable on a started cluster: Ray refuses a client without the cluster's token, the token
+file is the owner's alone, rlx refuses to join a cluster without authentication, and the weight
+channel's rendezvous listens on loopback only."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import psutil
+import pytest
+import ray
+
+from rlx.config import ConfigError
+from rlx.orchestration.cluster import ensure_token_file, require_token_auth, start_ray, stop_ray
+from rlx.weights.broadcast import HOST_ENV, rendezvous_host, serve_store
+
+CONNECT = ("import sys; from ray._raylet import GcsClient; "
+           "GcsClient(address=sys.argv[1]).internal_kv_keys(b'', None, timeout=10); print('connected')")
+
+
+def gcs_client(address: str, **env: str) -> subprocess.CompletedProcess:
+    """A fresh process that talks to the GCS with the given auth settings."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    return subprocess.run([sys.executable, "-c", CONNECT, address], check=False, env={**base, **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def token_cluster(tmp_path_factory):
+    """A local cluster started by rlx, with its token file in a temporary folder."""
+    if ray.is_initialized():
+        pytest.skip("needs a cluster of its own; another test's cluster is still up in this process")
+    token_path = tmp_path_factory.mktemp("ray") / "auth_token"
+    with pytest.MonkeyPatch.context() as patch:  # what start_ray sets is undone afterwards
+        for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE", HOST_ENV):
+            patch.delenv(name, raising=False)
+        patch.setenv("RAY_AUTH_TOKEN_PATH", str(token_path))
+        start_ray(num_cpus=1)
+        yield ray.get_runtime_context().gcs_address, token_path
+        stop_ray()
+
+
+def test_a_local_cluster_refuses_clients_without_its_token(token_cluster):
+    address, token_path = token_cluster
+    assert stat.S_IMODE(token_path.stat().st_mode) == 0o600
+    wrong = gcs_client(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-the-token")
+    assert wrong.returncode != 0 and "Authentication token is missing or incorrect" in wrong.stderr
+    without = gcs_client(address, RAY_AUTH_MODE="disabled")
+    assert without.returncode != 0 and "Authentication token is missing or incorrect" in without.stderr
+    right = gcs_client(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
+    assert right.returncode == 0 and "connected" in right.stdout, right.stderr
+    require_token_auth(address)  # rlx would join this one
+
+
+def test_an_existing_token_file_is_made_owner_only(tmp_path):
+    path = tmp_path / "auth_token"
+    path.write_text("kept")
+    path.chmod(0o644)
+    ensure_token_file(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == "kept"
+
+
+def test_joining_a_cluster_without_authentication_is_refused(tmp_path):
+    # a second, unauthenticated cluster in its own process; it shuts down when its stdin closes
+    script = ("import ray, sys; ray.init(address='local', num_cpus=0, include_dashboard=False, "
+              "_node_ip_address='127.0.0.1'); print(ray.get_runtime_context().gcs_address, flush=True); "
+              "sys.stdin.read(); ray.shutdown()")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"RAY_AUTH_MODE": "disabled"}
+    with subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True, cwd=tmp_path) as open_cluster:
+        try:
+            address = open_cluster.stdout.readline().strip()
+            assert address, "the unauthenticated cluster did not start"
+            with pytest.raises(ConfigError, match="accepts clients without a token") as refused:
+                require_token_auth(address)
+            assert "resources.ray_allow_unauthenticated=true" in str(refused.value)
+            assert "RAY_AUTH_TOKEN" in str(refused.value)
+        finally:
+            open_cluster.stdin.close()
+            open_cluster.wait(timeout=60)
+
+
+def test_a_ray_client_address_is_refused_unless_allowed():
+    with pytest.raises(ConfigError, match="cannot check that a Ray Client endpoint requires a token"):
+        require_token_auth("ray://10.0.0.1:10001")
+
+
+def non_loopback_address() -> str | None:
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return address.address
+    return None
+
+
+def test_the_weight_rendezvous_listens_on_loopback_only(monkeypatch):
+    monkeypatch.setenv(HOST_ENV, "127.0.0.1")
+    store = serve_store(rendezvous_host(), timeout_s=5)
+    listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN
+                 and c.laddr.port == store.port}
+    assert listening == {"127.0.0.1"}
+    other = non_loopback_address()
+    if other is not None:  # another interface of this machine does not reach it
+        with pytest.raises(OSError):
+            socket.create_connection((other, store.port), timeout=2).close()
+
+
+def test_an_unresolvable_rendezvous_host_names_the_setting():
+    with pytest.raises(ValueError, match=r"weight-channel host 'no-such-host\.invalid' does not resolve.*"
+                                         r"RLX_WEIGHTS_HOST"):
+        serve_store("no-such-host.invalid", timeout_s=5)
