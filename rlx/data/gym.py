@@ -22,8 +22,9 @@ def _rows(task: str, params: dict[str, Any], size: int, seed: int) -> list[Promp
             prompt=entry["question"],
             label=str(entry["answer"]),
             metadata={**entry["metadata"], "source_dataset": task, "question": entry["question"]},
+            source=f"reasoning-gym {task} seed {seed} item {index}",
         )
-        for entry in dataset
+        for index, entry in enumerate(dataset)
     ]
 
 

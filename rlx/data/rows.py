@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlx.errors import DataError
 
 Messages = list[dict[str, str]]
+MAX_REPORTED = 10  # problems listed in one error; the rest are counted
+
+
+def _short_repr() -> reprlib.Repr:
+    """A bad value is quoted in its error; a short, shallow quote keeps a huge or deeply nested one readable."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother, short.maxlist, short.maxdict = 3, 80, 80, 4, 4
+    return short
+
+
+_QUOTE = _short_repr()
 
 
 @dataclass(frozen=True)
@@ -15,6 +27,7 @@ class PromptRow:
     prompt: str | Messages
     label: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False)  # where it came from (file:line), for error messages
 
     @property
     def question(self) -> str:
@@ -22,6 +35,18 @@ class PromptRow:
         if isinstance(self.prompt, str):
             return self.prompt
         return next((m["content"] for m in reversed(self.prompt) if m.get("role") == "user"), "")
+
+
+def quote(value: Any) -> str:
+    """`repr(value)`, cut short: at most ~80 characters and 3 levels of nesting."""
+    return _QUOTE.repr(value)
+
+
+def listing(problems: list[str]) -> str:
+    """The first MAX_REPORTED problems, one per indented line, and how many more there are."""
+    shown = "".join(f"\n  {problem}" for problem in problems[:MAX_REPORTED])
+    more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
+    return shown + more
 
 
 def validate_row(raw: Any, where: str, prompt_key: str, label_key: str, metadata_key: str) -> PromptRow:
@@ -38,13 +63,13 @@ def validate_row(raw: Any, where: str, prompt_key: str, label_key: str, metadata
                                          and isinstance(m.get("content"), str))]
         if bad or not prompt:
             raise DataError(f"{where}: {prompt_key!r} must be text or a non-empty list of "
-                            f"{{'role': str, 'content': str}} messages; bad entry: {bad[:1] or prompt!r}")
+                            f"{{'role': str, 'content': str}} messages; bad entry: {quote(bad[:1] or prompt)}")
     elif not isinstance(prompt, str) or not prompt.strip():
-        raise DataError(f"{where}: {prompt_key!r} must be non-empty text or chat messages, got {prompt!r}")
+        raise DataError(f"{where}: {prompt_key!r} must be non-empty text or chat messages, got {quote(prompt)}")
     label = raw[label_key]
     if label is None or isinstance(label, (dict, list)):
-        raise DataError(f"{where}: {label_key!r} must be a scalar (text or number), got {label!r}")
+        raise DataError(f"{where}: {label_key!r} must be a scalar (text or number), got {quote(label)}")
     metadata = raw.get(metadata_key) or {}
     if not isinstance(metadata, dict):
         raise DataError(f"{where}: {metadata_key!r} must be an object, got {type(metadata).__name__}")
-    return PromptRow(prompt=prompt, label=str(label), metadata=dict(metadata))
+    return PromptRow(prompt=prompt, label=str(label), metadata=dict(metadata), source=where)

@@ -7,10 +7,12 @@ import json
 import pytest
 
 from rlx.config import DataConfig
-from rlx.data import DataError, PromptRow, PromptStream, load_splits
+from rlx.data import DataError, PromptRow, PromptStream, check_prompt_lengths, load_splits
 from rlx.data.files import load_rows
 from rlx.data.gym import gym_splits
+from rlx.data.prompts import encode_prompt
 from rlx.errors import UserError
+from rlx.models import load_tokenizer
 
 KEYS = ("prompt", "label", "metadata")
 
@@ -118,6 +120,45 @@ def test_missing_and_empty_files(tmp_path):
         load_rows(tmp_path / "empty.jsonl", "jsonl", *KEYS)
 
 
+def test_unreadable_lines_are_reported_by_line_and_the_rest_still_load(tmp_path):
+    """Bytes that are not UTF-8, a 5000-digit number (past Python's int-from-text limit) and
+    100000 nested lists (past the recursion limit) each become one line of the report."""
+    path = tmp_path / "raw.jsonl"
+    path.write_bytes(b"\n".join([
+        b'{"prompt": "a", "label": "1"}',
+        b'{"prompt": "caf\xe9", "label": "2"}',  # Latin-1, not UTF-8
+        b'{"prompt": "c", "label": ' + b"9" * 5000 + b"}",
+        b'{"prompt": "d", "label": "4", "metadata": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
+        b'{"prompt": "e"}',  # a plain bad row after them is still found
+        b'{"prompt": "f", "label": "6"}',
+    ]) + b"\n")
+    with pytest.raises(DataError) as info:
+        load_rows(path, "jsonl", *KEYS)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("4 malformed row(s)")
+    assert "raw.jsonl:2: byte" in lines[1] and "not UTF-8" in lines[1]
+    assert "raw.jsonl:3: a number is too long" in lines[2] and "write it as a string" in lines[2]
+    assert "raw.jsonl:4: JSON nested too deeply" in lines[3]
+    assert "raw.jsonl:5: missing field 'label'" in lines[4]
+    assert len(lines) == 5 and len(str(info.value)) < 1000  # one line each: no digits, brackets or traceback
+    assert info.value.__context__ is None and info.value.__cause__ is None
+
+
+def test_bom_and_crlf_line_endings_load(tmp_path):
+    path = tmp_path / "windows.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "label": "1"}\r\n{"prompt": "b\xc3\xa9", "label": "2"}\r\n')
+    assert [row.prompt for row in load_rows(path, "jsonl", *KEYS)] == ["a", "b\u00e9"]
+
+
+def test_huge_bad_values_are_quoted_short(tmp_path):
+    path = write_jsonl(tmp_path / "big.jsonl", [{"prompt": "q", "label": {"k": "v" * 100_000}},
+                                                {"prompt": [[[[["deep"]]]]] * 1000, "label": "1"}])
+    with pytest.raises(DataError) as info:
+        load_rows(path, "jsonl", *KEYS)
+    assert "big.jsonl:1" in str(info.value) and "big.jsonl:2" in str(info.value)
+    assert len(str(info.value)) < 600
+
+
 # ---------------------------------------------------------------------------------------- parquet
 
 
@@ -151,6 +192,35 @@ def test_parquet_chat_prompts_and_errors(tmp_path):
     assert row.prompt == chat and row.label == "7"
 
 
+def test_parquet_corrupt_row_group_is_reported_and_others_load(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "torn.parquet"
+    labels = [str(i) for i in range(30)]
+    labels[24] = None  # row 25: a plain bad row in a readable group
+    pq.write_table(pa.table({"prompt": [f"q{i}" for i in range(30)], "label": labels}), path,
+                   row_group_size=10, use_dictionary=False, compression="none")
+    data = bytearray(path.read_bytes())
+    page = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    data[page:page + 8] = b"\xff" * 8  # overwrite the page header of rows 11-20
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError) as info:
+        load_rows(path, "parquet", *KEYS)
+    message = str(info.value)
+    assert message.startswith("2 malformed row(s)")
+    assert "torn.parquet:rows 11-20: row group 1 is corrupt" in message and "re-export" in message
+    assert "torn.parquet:row 25: 'label' must be a scalar" in message
+    assert "\n" not in message.splitlines()[1]  # pyarrow's multi-line reason is folded onto one line
+
+
+def test_parquet_file_that_is_not_parquet(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "train.parquet"
+    path.write_bytes(b'{"prompt": "a", "label": "1"}\n')
+    with pytest.raises(DataError, match=r"train.parquet: not a readable Parquet file \(.*magic bytes.*data.source"):
+        load_rows(path, "parquet", *KEYS)
+
+
 def test_load_splits_from_files(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"q{i}", "label": str(i)} for i in range(4)])
     held = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"e{i}", "label": str(i)} for i in range(5)])
@@ -160,6 +230,38 @@ def test_load_splits_from_files(tmp_path):
     assert [r.prompt for r in eval_rows] == ["e0", "e1", "e2"]
     no_eval = DataConfig(source="jsonl", path=str(train))
     assert load_splits(no_eval)[1] == []
+
+
+def test_prompts_over_max_tokens_fail_at_load_naming_rows_and_fix(tmp_path, tiny_path):
+    tokenizer = load_tokenizer(tiny_path)
+    prompts = ["short", "x" * 300, "fine", "y" * 400]
+    path = write_jsonl(tmp_path / "long.jsonl", [{"prompt": p, "label": "1"} for p in prompts])
+    config = DataConfig(source="jsonl", path=str(path), max_prompt_tokens=64)
+    assert len(load_splits(config)[0]) == 4  # no tokenizer: no length check
+    with pytest.raises(DataError) as info:
+        load_splits(config, tokenizer)
+    message = str(info.value)
+    longest = len(encode_prompt(PromptRow("y" * 400, "1"), tokenizer, None, True, 10_000))
+    assert message.startswith(f"2 of 4 prompt(s) are longer than data.max_prompt_tokens=64 (the longest has "
+                              f"{longest} tokens)")
+    assert "long.jsonl:2: " in message and "long.jsonl:4: " in message and "long.jsonl:1" not in message
+    assert f"Raise data.max_prompt_tokens to at least {longest}, or shorten or filter out" in message
+    wide = config.model_copy(update={"max_prompt_tokens": longest})
+    assert len(load_splits(wide, tokenizer)[0]) == 4
+    with pytest.raises(DataError, match=r"long.jsonl:2: prompt of \d+ tokens exceeds data.max_prompt_tokens=64"):
+        encode_prompt(load_splits(config)[0][1], tokenizer, None, True, 64)  # the mid-run check names it too
+
+
+def test_check_prompt_lengths_names_row_index_without_a_source():
+    rows = [PromptRow("one two", "1"), PromptRow("one two three four", "2"), PromptRow("a b c", "3")]
+
+    def words(row: PromptRow) -> list[str]:
+        return row.prompt.split()
+
+    check_prompt_lengths(rows, words, max_tokens=4)
+    with pytest.raises(DataError) as info:
+        check_prompt_lengths(rows, words, max_tokens=2)
+    assert "2 of 3 prompt(s)" in str(info.value) and "row index 1: 4 tokens" in str(info.value)
 
 
 # ---------------------------------------------------------------------------------- PromptStream
@@ -225,7 +327,7 @@ def test_stream_needs_rows():
 
 def test_gym_splits_sizes_and_disjoint_eval():
     # one-digit two-term sums: a small problem space, so the eval seed does hit train questions
-    params = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    params = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     train, held_out = gym_splits("chain_sum", params, train_size=60, eval_size=20, seed=0)
     assert len(train) == 60 and len(held_out) == 20
     assert not {r.prompt for r in train} & {r.prompt for r in held_out}
@@ -259,6 +361,6 @@ def test_gym_bad_params():
 
 
 def test_gym_eval_space_exhausted():
-    params = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    params = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     with pytest.raises(DataError, match="eval_size"):
         gym_splits("chain_sum", params, train_size=3000, eval_size=100, seed=0)
