@@ -1,6 +1,7 @@
 """What is reachable on a started cluster: Ray refuses a client without the cluster's token, the token
 file is the owner's alone, rlx refuses to join a cluster without authentication, and the weight
-channel's rendezvous listens on loopback only."""
+channel's rendezvous listens on loopback only. Scaling on that cluster: a scale it cannot place is
+refused up front, and one whose replicas do not start in time is undone."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import sys
 import psutil
 import pytest
 import ray
+from ray import serve
 
 from rlx.config import ConfigError
+from rlx.orchestration.api import ScaleRefused, ScaleTimedOut
 from rlx.orchestration.cluster import ensure_token_file, require_token_auth, start_ray, stop_ray
+from rlx.orchestration.scaling import redeploy, require_placeable, running_replicas
 from rlx.weights.broadcast import HOST_ENV, rendezvous_host, serve_store
 
 CONNECT = ("import sys; from ray._raylet import GcsClient; "
@@ -113,3 +117,39 @@ def test_an_unresolvable_rendezvous_host_names_the_setting():
     with pytest.raises(ValueError, match=r"weight-channel host 'no-such-host\.invalid' does not resolve.*"
                                          r"RLX_WEIGHTS_HOST"):
         serve_store("no-such-host.invalid", timeout_s=5)
+
+
+def test_a_scale_beyond_the_free_resources_is_refused_with_the_reason(token_cluster):
+    with pytest.raises(ScaleRefused, match=r"2 more rollout replica\(s\) need 4 CPU \(2 each\) but the cluster has "
+                                           r"[\d.]+ CPU free of 1; scale to fewer, lower resources.rollout.num_cpus"):
+        require_placeable("rollout", {"CPU": 2.0, "GPU": 0.0}, 2)
+    with pytest.raises(ScaleRefused, match="need 1 GPU"):
+        require_placeable("rollout", {"CPU": 0.0, "GPU": 1.0}, 1)
+    require_placeable("rollout", {"CPU": 0.5, "GPU": 0.0}, 1)  # fits: no error
+    require_placeable("rollout", {"CPU": 8.0, "GPU": 0.0}, -1)  # scaling in always fits
+
+
+@serve.deployment
+class Echo:
+    def __call__(self, value: int) -> int:
+        return value
+
+
+def echo_app(replicas: int) -> serve.RunTarget:
+    app = Echo.options(num_replicas=replicas, ray_actor_options={"num_cpus": 0.5}).bind()
+    return serve.RunTarget(app, name="echo", route_prefix=None)
+
+
+def test_a_scale_whose_replicas_do_not_start_in_time_is_undone(token_cluster):
+    serve.start(proxy_location="Disabled")
+    try:
+        handle = redeploy(echo_app(1), 1, echo_app(1), timeout_s=120)
+        assert handle.remote(3).result(timeout_s=60) == 3
+        # 3 replicas of 0.5 CPU on a 1-CPU cluster: the third never starts
+        with pytest.raises(ScaleTimedOut, match=r"echo: 3 replica\(s\) did not all start within 3s .*"
+                                                r"the previous replicas were put back"):
+            redeploy(echo_app(3), 3, echo_app(1), timeout_s=3)
+        assert running_replicas("echo") == 1
+        assert handle.remote(4).result(timeout_s=60) == 4
+    finally:
+        serve.shutdown()
