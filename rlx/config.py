@@ -9,10 +9,10 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from rlx.errors import ConfigError
 from rlx.generation_engines import GENERATION_ENGINES
@@ -39,7 +39,6 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     path: str = Field("smollm2-135m-instruct", description="a built-in model name (`rlx models list`) or a HF folder")
-    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 class DataConfig(Section):
@@ -91,11 +90,27 @@ class AutoscaleConfig(Section):
         return self
 
 
-class RolloutConfig(Section):
+class EngineSettings(Section):
+    """How a generation engine runs: the Rollout's and the GenRM judge's each have their own."""
+
     engine: str = Field("hf", description="generation engine: hf, vllm (pip install 'rlx[vllm]'), sglang, "
                         "or one registered in GENERATION_ENGINES")
     engine_options: dict[str, Any] = Field(default_factory=dict,
-                                           description="backend-specific settings, passed to the engine as is")
+                                           description="backend-specific settings, passed to the engine as is "
+                                           "(sglang: url, api_key, ...)")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="the engine's weights; training precision is train.param_dtype. For the Rollout, "
+        "a dtype other than the trainer's makes algorithm.behavior_correction=auto pick tis")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_is_known(cls, engine: str) -> str:
+        if engine not in GENERATION_ENGINES:
+            raise ValueError(f"not a generation engine; use one of {', '.join(GENERATION_ENGINES.names())}")
+        return engine
+
+
+class RolloutConfig(EngineSettings):
     n: int = Field(8, ge=1, description="responses per prompt (the group size)")
     prompts_per_step: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0.0, le=10.0)
@@ -106,17 +121,13 @@ class RolloutConfig(Section):
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end a response")
     max_batch_size: int = Field(64, ge=1, description="sequences decoded together")
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
-
-    @model_validator(mode="after")
-    def _engine_is_known(self) -> RolloutConfig:
-        if self.engine not in GENERATION_ENGINES:
-            raise ValueError(f"rollout.engine={self.engine!r} is not a generation engine; use one of "
-                             f"{', '.join(GENERATION_ENGINES.names())}")
-        return self
+    scale_timeout_s: float = Field(600.0, gt=0, description="longest wait for new rollout replicas to start; a "
+                                   "scale past it is undone and reported")
 
 
-class JudgeConfig(Section):
-    """The GenRM judge: a generation engine of its own scores each response from a prompt."""
+class JudgeConfig(EngineSettings):
+    """The GenRM judge: a generation engine of its own (never the policy's: `engine`, `engine_options`
+    and `dtype` here, not the rollout's) scores each response from a prompt."""
 
     model: str = Field("smollm2-135m-instruct", description="judge model: built-in name or HF folder")
     prompt: str = Field(
@@ -143,20 +154,77 @@ class RewardConfig(Section):
     overlong_penalty: float = Field(1.0, ge=0.0, description="penalty at the length cap")
 
 
+class ClippedLoss(Section):
+    """PPO/GRPO clipped surrogate; clip_high > clip_low is DAPO's clip-higher."""
+
+    type: Literal["clipped"] = "clipped"
+    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="the ratio's lower bound is 1 - clip_low")
+    clip_high: float = Field(0.28, ge=0.0, le=10.0, description="the ratio's upper bound is 1 + clip_high")
+    dual_clip: float | None = Field(None, gt=1.0, description="dual-clip bound c for negative advantages (e.g. 3)")
+
+
+class GspoLoss(Section):
+    """GSPO: one length-normalised ratio per sequence, clipped much tighter than a token's."""
+
+    type: Literal["gspo"] = "gspo"
+    clip_low: float = Field(3e-4, ge=0.0, le=1.0)
+    clip_high: float = Field(4e-4, ge=0.0, le=1.0)
+
+
+class SapoLoss(Section):
+    """SAPO: a smooth sigmoid gate on the ratio instead of a hard clip."""
+
+    type: Literal["sapo"] = "sapo"
+    tau_pos: float = Field(1.0, gt=0.0, description="gate temperature for positive advantages")
+    tau_neg: float = Field(1.05, gt=0.0, description="gate temperature for negative advantages")
+
+
+class CispoLoss(Section):
+    """CISPO: a clipped, detached importance weight on every token's log-prob."""
+
+    type: Literal["cispo"] = "cispo"
+    clip_low: float = Field(1.0, ge=0.0, le=1.0, description="the weight's floor is 1 - clip_low (1: none)")
+    clip_high: float = Field(0.28, ge=0.0)
+
+
+class CustomLoss(Section):
+    """A policy loss of your own, registered in `rlx.algorithms.POLICY_LOSSES`.
+
+    Register `fn(inputs: LossInputs, config: CustomLoss) -> LossTerms` with
+    `@POLICY_LOSSES.register("my_loss")` in a module of yours, and select it with
+    `algorithm.loss: {type: custom, name: "my_pkg.losses:my_loss", options: {...}}`. The part
+    before the colon is imported first, in every process that builds the loss (Ray workers too),
+    so its registration runs there; a bare `name` needs the registration to have run already (a
+    program that registers, then starts a colocated run). A free-form `options` dict rather than a
+    config class per plug-in keeps the union closed, so errors stay precise for built-in losses.
+    """
+
+    type: Literal["custom"] = "custom"
+    name: str = Field(description="`module:registered_name`, or a name already in POLICY_LOSSES")
+    options: dict[str, Any] = Field(default_factory=dict, description="free settings, read by the loss as "
+                                    "config.options")
+
+    @field_validator("name")
+    @classmethod
+    def _is_registered(cls, name: str) -> str:
+        from rlx.algorithms.losses import find_policy_loss
+
+        find_policy_loss(name)
+        return name
+
+
+LossConfig = Annotated[Union[ClippedLoss, GspoLoss, SapoLoss, CispoLoss, CustomLoss], Field(discriminator="type")]
+LOSS_CONFIGS: dict[str, type[Section]] = {"clipped": ClippedLoss, "gspo": GspoLoss, "sapo": SapoLoss,
+                                          "cispo": CispoLoss, "custom": CustomLoss}
+Correction = Literal["none", "tis", "decoupled"]
+
+
 class AlgorithmConfig(Section):
     advantage: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "none"] = Field(
         "grpo", description="gae: PPO with a critic (section `critic`); none: no task advantage (distillation only)")
-    policy_loss: Literal["clipped", "gspo", "sapo", "cispo"] = "clipped"
+    loss: LossConfig = Field(default_factory=ClippedLoss, description="the policy loss and its knobs, chosen by "
+                             "`type`: clipped (when type is left out), gspo, sapo, cispo, or custom")
     norm_std: bool = Field(True, description="divide GRPO advantages by the group std (false: Dr.GRPO)")
-    clip_low: float = Field(0.2, ge=0.0, le=1.0)
-    clip_high: float = Field(0.28, ge=0.0, le=10.0)
-    dual_clip: float | None = Field(None, gt=1.0, description="dual-clip bound c for negative advantages (e.g. 3)")
-    gspo_clip_low: float = Field(3e-4, ge=0.0, le=1.0, description="GSPO clips the sequence ratio much tighter")
-    gspo_clip_high: float = Field(4e-4, ge=0.0, le=1.0)
-    sapo_tau_pos: float = Field(1.0, gt=0.0, description="SAPO gate temperature for positive advantages")
-    sapo_tau_neg: float = Field(1.05, gt=0.0, description="SAPO gate temperature for negative advantages")
-    cispo_clip_low: float = Field(1.0, ge=0.0, le=1.0, description="CISPO weight floor is 1 - this (1: none)")
-    cispo_clip_high: float = Field(0.28, ge=0.0)
     kl_coef: float = Field(0.0, ge=0.0)
     kl_reference_refresh_every: int = Field(
         0, ge=0, description="0: the KL reference is the initial policy; N: it takes the policy's weights every N "
@@ -172,10 +240,34 @@ class AlgorithmConfig(Section):
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="GAE discount")
     lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda")
     whiten_advantages: bool = Field(True, description="GAE: normalise token advantages over each batch")
-    behavior_correction: Literal["none", "tis", "decoupled"] = Field(
-        "none", description="off-policy correction against the rollout log-probs: tis (truncated importance "
-        "sampling) or decoupled (PPO ratio against ActorFwd's proximal policy, weight proximal/behaviour)")
+    behavior_correction: Literal["auto", "none", "tis", "decoupled"] = Field(
+        "auto", description="off-policy correction against the rollout log-probs: tis (truncated importance "
+        "sampling), decoupled (PPO ratio against ActorFwd's proximal policy, weight proximal/behaviour), none, or "
+        "auto: decoupled in async mode with train.max_staleness > 0, else tis when rollout.engine is not hf or "
+        "rollout.dtype differs from train.param_dtype, else none. Resolved once, when the RunConfig is "
+        "validated; `rlx doctor` prints the result")
     tis_cap: float = Field(2.0, ge=1.0, description="truncation of the importance weight")
+    _resolved_correction: Correction | None = PrivateAttr(None)
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _clipped_by_default(cls, value: Any) -> Any:
+        """`algorithm.loss.clip_high=0.2` alone tunes the default loss; a type not built in gets its fix."""
+        if not isinstance(value, dict):
+            return value
+        kind = value.get("type", "clipped")
+        if kind not in LOSS_CONFIGS:
+            raise ValueError(f"algorithm.loss.type={kind!r} is not one of {', '.join(LOSS_CONFIGS)}; a loss registered "
+                             "in POLICY_LOSSES is chosen with algorithm.loss.type=custom algorithm.loss.name=module:name")
+        return {**value, "type": kind}
+
+    @property
+    def resolved_correction(self) -> Correction:
+        """The correction in effect: `auto` as the RunConfig holding this section resolved it. A lone
+        AlgorithmConfig (unit tests, benches) resolves `auto` as a default run does: none."""
+        if self.behavior_correction != "auto":
+            return self.behavior_correction
+        return self._resolved_correction or "none"
 
 
 class CriticConfig(Section):
@@ -205,7 +297,20 @@ class TrainConfig(Section):
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = Field(1.0, gt=0.0)
     micro_batch_size: int = Field(16, ge=1)
-    autocast_bf16: bool = Field(False, description="bf16 autocast for the training forward/backward")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's samples; more than 1 (or mini_batches "
+                            "> 1) takes several optimizer updates per step, against old log-probs taken before "
+                            "the first, so the clip acts")
+    mini_batches: int = Field(1, ge=1, description="optimizer updates per epoch; a sample's mini-batch is a "
+                              "seeded function of its uid, never of arrival or length order")
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="training compute precision. bfloat16: the Actor's and the Critic's forward and "
+        "backward run under bf16 autocast, while their weights, gradients and AdamW state stay float32 (rlx keeps "
+        "no bf16 parameters). Reference, Teacher and ActorFwd, whose log-probs enter the loss beside the Actor's, "
+        "load their weights in this dtype")
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the gradient reduction across trainer processes. The rlx trainer is one "
+        "process: nothing is reduced, and gradients and losses accumulate in float32 whatever this says. bfloat16 "
+        "is accepted only with param_dtype=bfloat16, and `rlx doctor` notes that it has no effect")
     eval_every: int = Field(10, ge=0, description="0 evaluates only before and after training")
     checkpoint_every: int = Field(0, ge=0, description="0 saves only the final checkpoint")
     time_budget_s: float | None = Field(None, gt=0, description="stop after this much wall time")
@@ -217,6 +322,11 @@ class TrainConfig(Section):
     max_restarts_per_role: int = Field(3, ge=0, description="replacements of one role before the run stops")
     max_restarts: int = Field(10, ge=0, description="replacements of all roles together before the run stops")
     seed: int = 0
+
+    @property
+    def bf16_autocast(self) -> bool:
+        """Whether training forwards run under bf16 autocast (param_dtype=bfloat16, float32 master weights)."""
+        return self.param_dtype == "bfloat16"
 
 
 class RoleResources(Section):
@@ -232,6 +342,8 @@ class ResourcesConfig(Section):
     device: Literal["cpu", "cuda"] = "cpu"
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: all cores")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
+    ray_allow_unauthenticated: bool = Field(False, description="join a ray_address cluster that accepts clients "
+                                            "without Ray's auth token (anyone who reaches it can run code in the run)")
     ray_num_cpus: float = Field(8.0, gt=0, description="logical CPUs of a local Ray cluster")
     rollout: RoleResources = Field(default_factory=RoleResources)
     actor: RoleResources = Field(default_factory=RoleResources)
@@ -294,6 +406,12 @@ class RunConfig(Section):
             raise ValueError("\n  ".join(problems))
         return self
 
+    @model_validator(mode="after")
+    def _resolve_behavior_correction(self) -> RunConfig:
+        """`algorithm.behavior_correction=auto` depends on other sections: resolved here, once."""
+        self.algorithm._resolved_correction = auto_correction(self)[0]
+        return self
+
     @property
     def initial_rollout_replicas(self) -> int:
         """`resources.rollout.replicas`, brought into the autoscaler's range when it is on."""
@@ -344,11 +462,11 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if c.critic.path is not None and not c.uses_critic:
         problems.append(f"critic.path is set but algorithm.advantage={a.advantage} uses no critic: "
                         "set algorithm.advantage=gae for PPO, or remove critic.path")
-    if a.policy_loss == "gspo" and (a.advantage == "gae" or c.uses_teacher):
-        problems.append("algorithm.policy_loss=gspo needs one advantage per sequence; gae and distillation give "
-                        "one per token: use policy_loss=clipped")
-    if a.policy_loss == "gspo" and a.aggregation != "seq-mean-token-mean":
-        problems.append(f"algorithm.policy_loss=gspo averages its sequence losses over sequences; with "
+    if a.loss.type == "gspo" and (a.advantage == "gae" or c.uses_teacher):
+        problems.append("algorithm.loss.type=gspo needs one advantage per sequence; gae and distillation give "
+                        "one per token: use algorithm.loss.type=clipped")
+    if a.loss.type == "gspo" and a.aggregation != "seq-mean-token-mean":
+        problems.append(f"algorithm.loss.type=gspo averages its sequence losses over sequences; with "
                         f"aggregation={a.aggregation} its gradient is GRPO's: set algorithm.aggregation=seq-mean-token-mean")
     if c.rollout.autoscale.enabled and c.train.mode != "async":
         problems.append("rollout.autoscale scales rollout replicas, which exist in async mode only: "
@@ -369,7 +487,55 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if c.reward.scope == "group" and ":" not in c.reward.name:
         problems.append(f"reward.scope=group needs a custom group reward (module:function); {c.reward.name!r} "
                         "scores one response at a time: set reward.scope=sample")
+    if c.train.reduce_dtype == "bfloat16" and c.train.param_dtype == "float32":
+        problems.append("train.reduce_dtype=bfloat16 with train.param_dtype=float32 would reduce gradients below "
+                        "the precision they were computed in: set train.reduce_dtype=float32")
     return problems
+
+
+def auto_correction(c: RunConfig) -> tuple[Correction, str]:
+    """What `algorithm.behavior_correction` is in effect, and why (for `rlx doctor`).
+
+    `auto`: decoupled when the trainer may get samples from older weights (async mode with
+    max_staleness > 0; colocated runs always train on the current weights); else tis when the
+    behaviour log-probs come from other numerics than the trainer's (another engine's kernels, or
+    another dtype); else none.
+    """
+    t, r = c.train, c.rollout
+    if c.algorithm.behavior_correction != "auto":
+        return c.algorithm.behavior_correction, "set explicitly"
+    if t.mode == "async" and t.max_staleness > 0:
+        return "decoupled", f"train.max_staleness={t.max_staleness}: samples may come from older weights"
+    if r.engine != "hf":
+        return "tis", f"rollout.engine={r.engine} computes the behaviour log-probs with other kernels than the trainer"
+    if r.dtype != t.param_dtype:
+        return "tis", f"rollout.dtype={r.dtype} differs from the trainer's train.param_dtype={t.param_dtype}"
+    return "none", "on-policy samples from the trainer's own engine and dtype"
+
+
+def config_warnings(c: RunConfig) -> list[str]:
+    """Allowed choices that are probably not what the user wants; `rlx doctor` prints them."""
+    warnings = []
+    if c.algorithm.behavior_correction == "none" and c.train.mode == "async" and c.train.max_staleness > 0:
+        warnings.append(f"algorithm.behavior_correction=none with train.max_staleness={c.train.max_staleness}: "
+                        "samples from older weights train uncorrected, as if on-policy; set "
+                        "algorithm.behavior_correction=auto (decoupled here) or tis")
+    if c.train.reduce_dtype == "bfloat16":
+        warnings.append("train.reduce_dtype=bfloat16 has no effect: the trainer is one process and accumulates "
+                        "gradients in float32")
+    return warnings
+
+
+MOVED_KEYS = {
+    "algorithm.policy_loss": "algorithm.loss.type",
+    **{f"algorithm.{key}": f"algorithm.loss.{key} (with algorithm.loss.type=clipped, the default)"
+       for key in ("clip_low", "clip_high", "dual_clip")},
+    **{f"algorithm.{loss}_{key}": f"algorithm.loss.{key} (with algorithm.loss.type={loss})"
+       for loss, keys in (("gspo", ("clip_low", "clip_high")), ("sapo", ("tau_pos", "tau_neg")),
+                          ("cispo", ("clip_low", "clip_high"))) for key in keys},
+    "model.dtype": "rollout.dtype (generation) and train.param_dtype (training, Reference, Teacher, ActorFwd)",
+    "train.autocast_bf16": "train.param_dtype (bfloat16: bf16 autocast over float32 weights)",
+}
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -390,24 +556,41 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
-    model: type[BaseModel] = RunConfig
-    for part in loc[:-1]:
-        annotation = model.model_fields[str(part)].annotation
+    model: Any = RunConfig
+    for part in map(str, loc[:-1]):
+        if isinstance(model, dict):  # inside the loss union, pydantic names the member by its tag
+            model = model[part]
+            continue
+        annotation = model.model_fields[part].annotation
+        if model is AlgorithmConfig and part == "loss":
+            model = LOSS_CONFIGS
+            continue
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation
     return list(model.model_fields)
 
 
+def _user_loc(loc: tuple[Any, ...]) -> tuple[str, ...]:
+    """The key path as users write it: without the tag pydantic adds (algorithm.loss.gspo.clip_low)."""
+    return tuple(str(p) for i, p in enumerate(loc) if not (i and loc[i - 1] == "loss" and p in LOSS_CONFIGS))
+
+
 def _describe(error: dict[str, Any]) -> str:
     loc = tuple(error["loc"])
     if not loc:  # a cross-field check: its message names the keys itself
         return error["msg"].removeprefix("Value error, ")
-    key = ".".join(str(p) for p in loc)
+    path = _user_loc(loc)
+    key = ".".join(path)
+    if error["type"] == "extra_forbidden" and key in MOVED_KEYS:
+        return f"{key} moved to {MOVED_KEYS[key]}"
     if error["type"] == "extra_forbidden":
         allowed = _allowed_keys(loc)
-        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        hint = f" Did you mean {'.'.join(map(str, loc[:-1] + (close[0],)))!r}?" if close else ""
+        close = difflib.get_close_matches(path[-1], allowed, n=1)
+        hint = f" Did you mean {'.'.join(path[:-1] + (close[0],))!r}?" if close else ""
+        owners = [kind for kind, section in LOSS_CONFIGS.items() if path[-1] in section.model_fields]
+        if path[:2] == ("algorithm", "loss") and owners:
+            hint += f" {path[-1]} is a key of algorithm.loss.type={' or '.join(owners)}."
         return f"unknown key {key!r}.{hint} Allowed here: {', '.join(allowed)}"
     return f"{key} = {error.get('input')!r}: {error['msg']}"
 

@@ -20,8 +20,9 @@ from rlx.config import RunConfig
 from rlx.data import load_splits
 from rlx.engines.generation.base import SamplingParams
 from rlx.errors import ConfigError
+from rlx.models import load_tokenizer
 from rlx.obs import Alerts, MetricsWriter, plot_run
-from rlx.orchestration.api import ApiServer, ScaleInProgress
+from rlx.orchestration.api import ApiServer, ScaleInProgress, ScaleRefused, ScaleTimedOut
 from rlx.orchestration.autoscaler import Autoscaler
 from rlx.orchestration.builder import (
     build_reward_role,
@@ -110,7 +111,7 @@ class AsyncRun:
 
     def checkpoint(self) -> str:
         state = {"data_position": self.controller.prompts.state()["position"], "totals": {}}
-        return self.controller.call("actor", "call", "save_checkpoint", str(self.run_dir), state)
+        return self.controller.call_service("actor", "invoke_worker", "save_checkpoint", str(self.run_dir), state)
 
     def stop(self) -> None:
         self.stop_requested.set()
@@ -120,7 +121,7 @@ class AsyncRun:
         """A trainer's finished steps not seen yet; none while it is lost (the HealthManager deals
         with that). A reply lost to a timeout is handed out again by the next call."""
         try:  # while the role is down the call waits for its replacement: not for long
-            reports = self.controller.call(role, "call", "reported_after", self.cursors[role], timeout_s=POLL_S * 5)
+            reports = self.controller.call_service(role, "invoke_worker", "reported_after", self.cursors[role], timeout_s=POLL_S * 5)
         except (ray.exceptions.RayError, TimeoutError) as error:
             self.echo(f"{role} unreachable ({type(error).__name__}); waiting for the health checks")
             return []
@@ -134,7 +135,7 @@ class AsyncRun:
         the step count goes back and their prompt groups give their place to new ones. A replaced
         coordinator starts a new incarnation, with no rollbacks yet."""
         try:  # a coordinator being replaced is looked at again at the next poll
-            status = self.controller.weights.call("status", reply_s=POLL_S, patience_s=POLL_S)
+            status = self.controller.weights.ask("status", reply_s=POLL_S, patience_s=POLL_S)
         except CoordinatorUnavailable:
             return
         if status["incarnation"] != self.dcs_incarnation:
@@ -182,6 +183,8 @@ class AsyncRun:
                 self.scale(target, reason)
             except ScaleInProgress:  # an API call got there first; the next window decides again
                 self.echo(f"autoscaler: no scale to {target} replicas, an API scale operation is running")
+            except (ScaleRefused, ScaleTimedOut) as error:  # the cluster cannot hold them (now); the run goes on
+                self.echo(f"autoscaler: no scale to {target} replicas: {error}")
             finally:
                 self.autoscaler.restart(time.monotonic())
 
@@ -213,7 +216,7 @@ class AsyncRun:
         pending_faults, critic_steps = [f for f in cfg.faults if f.role != "actor"], []
         for fault in cfg.faults:  # the trainer fires these itself, at its own step
             if fault.role == "actor":
-                c.call("actor", "schedule_fault", fault.kind, fault.at_step)
+                c.call_service("actor", "schedule_fault", fault.kind, fault.at_step)
         try:
             while self.step < t.steps and not self.stop_requested.is_set():
                 time.sleep(POLL_S)
@@ -243,7 +246,7 @@ class AsyncRun:
                     if fault.role == "dcs":
                         c.weights.inject_fault(fault.kind)
                     else:
-                        c.call(fault.role, "inject_fault", fault.kind)
+                        c.call_service(fault.role, "inject_fault", fault.kind)
                     self.health.fault_injected(fault.role)
                 if t.time_budget_s is not None and time.perf_counter() - started > t.time_budget_s:
                     self.echo(f"time budget of {t.time_budget_s:.0f}s reached after {self.step} steps")
@@ -251,7 +254,7 @@ class AsyncRun:
             if self.autoscaling is not None:  # a scale operation in flight finishes before the roles stop
                 self.autoscaling.join()
             for role in ("rollout", "actor"):  # the actor may be mid-step, waiting for rows that will not come
-                c.call(role, "stop")
+                c.call_service(role, "stop")
             self.checkpoint()
             (self.run_dir / "health.json").write_text(json.dumps(
                 {"recoveries": self.health.report() + self.dcs_recoveries, "prompts": c.prompts.state(),
@@ -272,7 +275,8 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
               echo: Callable[[str], None] = print) -> Path:
     check_faults(config)
     run_dir = prepare_run_dir(config, resume, overwrite)
-    load_splits(config.data)  # bad data or a reward that cannot load stop the run before any service starts
+    # bad data, a prompt over data.max_prompt_tokens or a reward that cannot load stop the run before any service
+    load_splits(config.data, load_tokenizer(model_path(config)))
     build_reward_role(config)
     prepare_process(config)
     alerts = Alerts(config.logging.alerts, config.logging.name)

@@ -65,20 +65,21 @@ def prompt_encoder(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Cal
                                      data.max_prompt_tokens)
 
 
-def generation_engine(config: RunConfig, path: Path, max_batch_size: int):
-    spec = EngineSpec(path, config.model.dtype, config.resources.device, max_batch_size, config.train.seed,
-                      dict(config.rollout.engine_options))
-    return build_generation_engine(config.rollout.engine, spec)
+def generation_engine(config: RunConfig, settings: EngineSettings, path: Path, max_batch_size: int):
+    """`(engine, tokenizer)` run as `settings` say (`rollout` for the policy, `reward.judge` for GenRM)."""
+    spec = EngineSpec(path, settings.dtype, config.resources.device, max_batch_size, config.train.seed,
+                      dict(settings.engine_options))
+    return build_generation_engine(settings.engine, spec)
 
 
 def build_rollout(config: RunConfig, path: Path) -> Rollout:
-    return Rollout(*generation_engine(config, path, config.rollout.max_batch_size))
+    return Rollout(*generation_engine(config, config.rollout, path, config.rollout.max_batch_size))
 
 
 def build_genrm(config: RunConfig) -> GenRM:
     judge = config.reward.judge
     parse = build_judge_parser(judge.parser)  # a bad parser fails before the judge model loads
-    engine, tokenizer = generation_engine(config, resolve_model_path(judge.model), judge.max_batch_size)
+    engine, tokenizer = generation_engine(config, judge, resolve_model_path(judge.model), judge.max_batch_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=judge.max_new_tokens)
     return GenRM(engine, tokenizer, judge.prompt, parse, judge.max_score, params)
 
@@ -93,7 +94,7 @@ def build_critic(config: RunConfig) -> Critic:
 
 
 def build_teacher(config: RunConfig, student_vocab: int) -> Reference:
-    model, tokenizer = load_pretrained(resolve_model_path(config.teacher.path), config.model.dtype,
+    model, tokenizer = load_pretrained(resolve_model_path(config.teacher.path), config.train.param_dtype,
                                        config.resources.device)
     if model.config.vocab_size != student_vocab:
         raise ConfigError(f"teacher.path={config.teacher.path!r} has a vocabulary of {model.config.vocab_size} tokens "
@@ -113,13 +114,13 @@ def build_actor(config: RunConfig, path: Path) -> Actor:
 def build_reference(config: RunConfig, path: Path) -> Reference | None:
     if config.algorithm.kl_coef <= 0:
         return None
-    model, tokenizer = load_pretrained(path, config.model.dtype, config.resources.device)
+    model, tokenizer = load_pretrained(path, config.train.param_dtype, config.resources.device)
     return Reference(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size,
                      config.algorithm.kl_reference_refresh_every)
 
 
 def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd:
-    model, tokenizer = load_pretrained(path, "float32", config.resources.device)
+    model, tokenizer = load_pretrained(path, config.train.param_dtype, config.resources.device)
     return ActorFwd(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size)
 
 
@@ -167,7 +168,8 @@ class Components:
 def build_components(config: RunConfig) -> Components:
     plan = build_plan(config)  # roles that do not fit together fail before anything loads
     prepare_process(config)
-    train_rows, eval_rows = load_splits(config.data)  # bad data fails here, before any model loads
+    # bad data and prompts over data.max_prompt_tokens fail here, before any model loads
+    train_rows, eval_rows = load_splits(config.data, load_tokenizer(model_path(config)))
     reward = build_reward_role(config)
     path = model_path(config)
     rollout = build_rollout(config, path)

@@ -5,6 +5,8 @@ shuts everything down. The async loop that drives a run lives in `async_run.py`.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,14 +19,21 @@ from rlx.data import load_splits
 from rlx.orchestration.builder import prompt_source
 from rlx.orchestration.cluster import start_ray, stop_ray
 from rlx.orchestration.heartbeats import RemoteHeartbeats
-from rlx.orchestration.prompt_source import PromptSourceClient, RemotePromptSource
 from rlx.orchestration.plan import build_plan
+from rlx.orchestration.prompt_source import PromptSourceClient, RemotePromptSource
 from rlx.orchestration.resume import resume_plan
+from rlx.orchestration.scaling import redeploy, require_placeable
 from rlx.orchestration.services import RoleService, Shared
 from rlx.run_state import load_run_state
 from rlx.weights.sync import WeightSync
 
 DRAIN_S = 60  # a removed rollout replica finishes its groups within this, or they are handed out again
+
+
+def run_id(config: RunConfig) -> str:
+    """A short id of the run's directory (its absolute path), readable beside the run's name."""
+    where = hashlib.sha1(str(config.run_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', config.logging.name)[:40]}-{where}"
 
 
 class HeartbeatsClient:
@@ -45,6 +54,7 @@ class Controller:
     def __init__(self, config: RunConfig, echo: Callable[[str], None] = print) -> None:
         self.config, self.echo = config, echo
         self.plan = build_plan(config)
+        self.run_id = run_id(config)
         self.handles: dict[str, Any] = {}
         self.rollout_replicas = config.initial_rollout_replicas
         self.started_ray = False
@@ -53,7 +63,8 @@ class Controller:
         """`resume_from`: a checkpoint whose bus and prompt-source state the run continues from."""
         cfg = self.config
         self.started_ray = not ray.is_initialized()
-        start_ray(cfg.resources.ray_num_cpus, cfg.resources.ray_address)
+        res = cfg.resources
+        start_ray(res.ray_num_cpus, res.ray_address, res.ray_allow_unauthenticated)
         serve.start(proxy_location="Disabled")  # roles talk through handles and the bus, not HTTP
         self.bus = Bus.create(capacity=max(1024, 4 * cfg.rollout.prompts_per_step * cfg.rollout.n
                                            * (cfg.train.max_staleness + 2)))
@@ -81,13 +92,17 @@ class Controller:
     def _target(self, role: str, replicas: int) -> serve.RunTarget:
         cfg, res = self.config, getattr(self.config.resources, role)
         deployment = serve.deployment(
-            RoleService, name=f"rlx-{role}", num_replicas=replicas,
+            RoleService, name=self.app_name(role), num_replicas=replicas,
             ray_actor_options={"num_cpus": res.num_cpus, "num_gpus": res.num_gpus},
             health_check_period_s=1, health_check_timeout_s=60, max_ongoing_requests=8,
             graceful_shutdown_timeout_s=DRAIN_S if role == "rollout" else 5,
         )
         app = deployment.bind(role, cfg.model_dump(mode="json"), self.shared)
-        return serve.RunTarget(app, name=f"rlx-{role}", route_prefix=None)
+        return serve.RunTarget(app, name=self.app_name(role), route_prefix=None)
+
+    def app_name(self, role: str) -> str:
+        """The Serve application of `role`, scoped to this run: two runs on one cluster never collide."""
+        return f"rlx-{self.run_id}-{role}"
 
     def deploy(self) -> None:
         """One Serve application per role (its own fault domain), deployed in parallel; each role
@@ -99,27 +114,30 @@ class Controller:
         self.handles = dict(zip(roles, serve.run_many(targets)))
 
     def scale_rollout(self, replicas: int) -> dict[str, int]:
-        """Redeploy the rollout with `replicas` replicas; returns once they are all up."""
-        before = self.rollout_replicas
-        self.handles["rollout"] = serve.run_many([self._target("rollout", replicas)])[0]
+        """Redeploy the rollout with `replicas` replicas; returns once they are all up. Refused when the
+        cluster lacks the resources, undone past rollout.scale_timeout_s (see rlx.orchestration.scaling)."""
+        before, res = self.rollout_replicas, self.config.resources.rollout
+        require_placeable("rollout", {"CPU": res.num_cpus, "GPU": res.num_gpus}, replicas - before)
+        self.handles["rollout"] = redeploy(self._target("rollout", replicas), replicas,
+                                           self._target("rollout", before), self.config.rollout.scale_timeout_s)
         self.rollout_replicas = replicas
         return {"replicas_before": before, "replicas": replicas}
 
-    def call(self, role: str, method: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
-        """A call on a role's service; a service that does not answer in time is named in the error."""
+    def call_service(self, role: str, method: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        """A method of a role's service (`RoleService`); a service that does not answer in time is named in the error."""
         response = getattr(self.handles[role], method).remote(*args)
         try:
             return response.result(timeout_s=timeout_s)
         except TimeoutError as error:
             response.cancel()  # not left queued for a replacement replica to run later
-            detail = f" {args[0]!r}" if method == "call" and args else ""
+            detail = f" {args[0]!r}" if method == "invoke_worker" and args else ""
             raise TimeoutError(f"the {role} service did not answer {method}{detail} within {timeout_s:.0f}s; "
                                f"see `rlx status` and the {role} replica's log") from error
 
     def shutdown(self) -> None:
         for role in reversed(list(self.handles)):
             try:
-                self.call(role, "stop")
+                self.call_service(role, "stop")
             except Exception as exc:  # a dead replica cannot stop; shutting Serve down removes it anyway
                 self.echo(f"stopping {role}: {type(exc).__name__}: {exc}")
         if ray.is_initialized():

@@ -52,7 +52,7 @@ class FieldSpec:
 
 def _uses_actor_fwd(c: RunConfig) -> bool:
     """ActorFwd computes proximal log-probs in a separate process; colocated mode has no such lag."""
-    return c.train.mode == "async" and c.algorithm.behavior_correction == "decoupled"
+    return c.train.mode == "async" and c.algorithm.resolved_correction == "decoupled"
 
 
 FIELDS: tuple[FieldSpec, ...] = (

@@ -198,7 +198,7 @@ class RoleService:
     def status(self) -> dict[str, Any]:
         return {**self.worker.status(), "consumer": self.consumer}
 
-    def call(self, method: str, *args: Any) -> Any:
+    def invoke_worker(self, method: str, *args: Any) -> Any:
         """Run a role-specific method of the worker (e.g. the actor's checkpoint)."""
         return getattr(self.worker, method)(*args)
 

@@ -36,7 +36,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
-from rlx.weights.broadcast import BroadcastGroup, join_store, serve_store
+from rlx.weights.broadcast import BroadcastGroup, join_store, rendezvous_host, serve_store
 from rlx.weights.buckets import Bucket, flat_bucket, flat_from_buffer, flat_size, plan_buckets, unpack_flat
 from rlx.weights.coordinator import Position, WeightCoordinator
 
@@ -97,14 +97,14 @@ class WeightSync:
     def close(self) -> None:
         serve.delete(self.app)
 
-    def call(self, method: str, *args: Any, reply_s: float = 30.0, patience_s: float | None = None,
+    def ask(self, method: str, *args: Any, reply_s: float = 30.0, patience_s: float | None = None,
              stop: threading.Event | None = None) -> Any:
         """A coordinator call, retried while Serve replaces a lost coordinator, for up to
         `patience_s` (default `timeout_s`): a replacement starts empty, and every call here is safe
         to repeat. An error raised by the coordinator itself is not retried; `stop` ends the
         retries early (a closing subscriber)."""
         if _on_event_loop():  # Serve refuses a blocking wait there (a replica's constructor runs on one)
-            return _OFF_LOOP.submit(self.call, method, *args, reply_s=reply_s, patience_s=patience_s,
+            return _OFF_LOOP.submit(self.ask, method, *args, reply_s=reply_s, patience_s=patience_s,
                                     stop=stop).result()
         patience_s = self.timeout_s if patience_s is None else patience_s
         deadline = time.monotonic() + patience_s
@@ -135,14 +135,14 @@ class WeightSync:
         return WeightSubscriber(self, name, load)
 
     def version(self) -> int:
-        return self.call("latest_version")
+        return self.ask("latest_version")
 
     def status(self) -> dict:
-        return self.call("status")
+        return self.ask("status")
 
     def wait_acked(self, version: int, count: int, timeout_s: float) -> dict[str, float]:
         """Block until `count` subscribers have loaded `version` (or `timeout_s` passed); its acks."""
-        return self.call("wait_acked", version, count, timeout_s, reply_s=timeout_s + 30)
+        return self.ask("wait_acked", version, count, timeout_s, reply_s=timeout_s + 30)
 
     def forget(self, subscriber: str) -> None:
         """Declare a subscriber dead (the HealthManager does, for replicas it replaced)."""
@@ -156,7 +156,7 @@ class WeightSync:
     def fetch_latest(self, after: Position | None = None, wait_s: float = 0.0, name: str | None = None) -> Fetched | None:
         """The latest version if it was published after `after`, from the object store. Its state
         dict views the buckets (zero-copy, read-only) while the `Fetched` is alive."""
-        record = self.call("wait_newer", name, after, wait_s, reply_s=wait_s + 30)
+        record = self.ask("wait_newer", name, after, wait_s, reply_s=wait_s + 30)
         if record is None:
             return None
         return Fetched(record["version"], record["position"], _from_object_store(record["layout"], record["refs"]),
@@ -210,7 +210,7 @@ class WeightPublisher:
         self._group: BroadcastGroup | None = None
         self._store = None
         if sync.channel != "object-store":
-            self.host = ray.util.get_node_ip_address()
+            self.host = rendezvous_host()
             self._store = serve_store(self.host, sync.timeout_s)
         self._last: tuple[int, list[Bucket], list] | None = None  # version, layout, bucket refs
         self._incarnation: str | None = None  # of the coordinator that holds `_last`
@@ -229,11 +229,11 @@ class WeightPublisher:
     def _refill_forever(self) -> None:
         while not self._closed.wait(self.refill_s):
             try:
-                incarnation, latest = self.sync.call("position_of_latest", stop=self._closed)
+                incarnation, latest = self.sync.ask("position_of_latest", stop=self._closed)
                 last = self._last
                 if last is not None and incarnation != self._incarnation and latest < last[0]:
                     version, layout, refs = last
-                    result = self.sync.call("publish", version, layout, refs, None, False, stop=self._closed)
+                    result = self.sync.ask("publish", version, layout, refs, None, False, stop=self._closed)
                     self._incarnation = result["incarnation"]
                     log.warning("the weight coordinator was replaced: handed it version %d again", version)
             except Exception as error:  # keep watching: the coordinator may be on its way back
@@ -256,7 +256,7 @@ class WeightPublisher:
         refs = [ray.put(flat_bucket(state_dict, bucket).cpu().numpy()) for bucket in layout]
         put_s = time.monotonic() - started
         broadcast = None if self._store is None else {"host": self.host, "port": self._store.port}
-        result = self.sync.call("publish", version, layout, refs, broadcast, rollback)
+        result = self.sync.ask("publish", version, layout, refs, broadcast, rollback)
         if result["accepted"] and self._watcher is not None:
             self._last, self._incarnation = (version, layout, refs), result["incarnation"]
         broadcast_s = 0.0
@@ -310,7 +310,7 @@ class WeightSubscriber:
                                     "and none was published; is the Actor running? (raise weights.timeout_s)")
         self.load(latest.state_dict, latest.version)
         self.version, self._position = latest.version, latest.position
-        self.sync.call("register", self.name, self.sync.channel, latest.version)
+        self.sync.ask("register", self.name, self.sync.channel, latest.version)
         self.sync.tell("ack", self.name, latest.version)
         self._thread = threading.Thread(target=self._receive_forever, name=f"weights-{self.name}", daemon=True)
         self._thread.start()
@@ -348,12 +348,12 @@ class WeightSubscriber:
         received = self._position
         while not self._stop.is_set():
             try:
-                record = self.sync.call("wait_newer", self.name, received, self.poll_s, reply_s=self.poll_s + 30,
+                record = self.sync.ask("wait_newer", self.name, received, self.poll_s, reply_s=self.poll_s + 30,
                                         stop=self._stop)
                 if record is None:
                     continue
                 if received is not None and record["position"][0] != received[0]:  # a replaced coordinator
-                    self.sync.call("register", self.name, self.sync.channel, self.version)
+                    self.sync.ask("register", self.name, self.sync.channel, self.version)
                 started = time.monotonic()
                 fetched = Fetched(record["version"], record["position"], self._receive(record), record["refs"])
                 with self._lock:
@@ -391,7 +391,7 @@ class WeightSubscriber:
             if self._store is None or self._store_address != (broadcast["host"], broadcast["port"]):
                 self._store = join_store(broadcast["host"], broadcast["port"], self.sync.timeout_s)
                 self._store_address = (broadcast["host"], broadcast["port"])
-            self._group = BroadcastGroup(self.sync.channel, self._store, ray.util.get_node_ip_address(),
+            self._group = BroadcastGroup(self.sync.channel, self._store, rendezvous_host(),
                                          broadcast["epoch"], rank,
                                          len(broadcast["ranks"]) + 1, self.sync.timeout_s)
         return self._group

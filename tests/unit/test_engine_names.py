@@ -38,8 +38,16 @@ def test_unknown_engine_names_the_choices():
     with pytest.raises(ConfigError) as info:
         build_config({"rollout": {"engine": "tgi"}})
     message = str(info.value)
-    assert "rollout.engine='tgi'" in message
+    assert "rollout.engine = 'tgi'" in message
     assert "hf, sglang, vllm" in message
+
+
+def test_the_genrm_judge_has_its_own_engine_settings():
+    config = build_config({"rollout": {"engine": "sglang", "engine_options": {"url": "http://127.0.0.1:1"}},
+                           "reward": {"name": "genrm"}})
+    assert (config.reward.judge.engine, config.reward.judge.engine_options) == ("hf", {})  # not the policy's server
+    with pytest.raises(ConfigError, match="reward.judge.engine = 'tgi'"):
+        build_config({"reward": {"name": "genrm", "judge": {"engine": "tgi"}}})
 
 
 def test_user_registered_engine_validates(monkeypatch):
