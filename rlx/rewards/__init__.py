@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 
 from rlx.errors import ConfigError
-from rlx.rewards.builtin import REWARDS, RewardFn
+from rlx.rewards.builtin import DEFAULT_FORMAT, REWARDS, RewardFn
 from rlx.rewards.judge import JUDGE_PARSERS, JudgeParser
+from rlx.rewards.pool import PooledReward, RewardPool, RewardSpec
 from rlx.rewards.safe import RewardOutcome, score_group_safely, score_safely
+
+POOLED_BUILTINS = frozenset({"math_verify"})  # built-ins whose library can run for minutes
 
 
 def load_custom_reward(spec: str, key: str = "reward.name") -> RewardFn:
@@ -32,7 +36,20 @@ def build_judge_parser(spec: str) -> JudgeParser:
 
 
 def build_reward(name: str, extract: str, format_pattern: str | None = None) -> RewardFn:
-    """A built-in reward by name, or `package.module:function` (called as fn(completion, label, metadata))."""
+    """A built-in reward by name, or `package.module:function` (called as fn(completion, label, metadata)).
+
+    Rewards that may misbehave come back as a `PooledReward`, which the Reward role runs in its
+    process pool: custom functions, math_verify, and format with a user pattern (rlx.rewards.pool).
+    """
+    fn = build_reward_fn(name, extract, format_pattern)
+    user_pattern = name == "format" and format_pattern not in (None, DEFAULT_FORMAT)
+    if ":" in name or name in POOLED_BUILTINS or user_pattern:
+        return PooledReward(RewardSpec(name, extract, format_pattern, tuple(sys.path)), fn)
+    return fn
+
+
+def build_reward_fn(name: str, extract: str, format_pattern: str | None = None) -> RewardFn:
+    """The reward function itself, to call in this process (a pool process builds it with this)."""
     if name == "genrm":
         raise ConfigError("reward.name=genrm is a judge role, not a function: build it with the GenRM role")
     if ":" in name:
@@ -47,5 +64,6 @@ def build_reward(name: str, extract: str, format_pattern: str | None = None) -> 
     return REWARDS.get(name)(extract)
 
 
-__all__ = ["JUDGE_PARSERS", "REWARDS", "RewardFn", "RewardOutcome", "build_judge_parser", "build_reward", "load_custom_reward", "score_group_safely",
-           "score_safely"]
+__all__ = ["JUDGE_PARSERS", "REWARDS", "PooledReward", "RewardFn", "RewardOutcome", "RewardPool",
+           "RewardSpec", "build_judge_parser", "build_reward", "build_reward_fn", "load_custom_reward",
+           "score_group_safely", "score_safely"]

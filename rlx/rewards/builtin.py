@@ -46,16 +46,22 @@ def exact_match_reward(extract: str) -> RewardFn:
 
 @REWARDS.register("math_verify")
 def math_verify_reward(extract: str) -> RewardFn:
-    """Mathematical equivalence via `math-verify` (LaTeX and plain expressions)."""
+    """Mathematical equivalence via `math-verify` (LaTeX and plain expressions).
+
+    math-verify's own timeouts use SIGALRM, which only the main thread may set, and rlx scores off
+    it; so they are off, and `reward.timeout_s` bounds the call instead (it runs in the reward pool).
+    """
     from math_verify import parse, verify
+
+    def read(text: str) -> list:
+        return parse(f"${text}$", parsing_timeout=None) or parse(text, parsing_timeout=None)
 
     def score(completion: str, label: str, metadata: dict[str, Any]) -> float:
         answer = extract_answer(completion, extract)
         if answer is None:
             return 0.0
-        gold = parse(f"${label}$") or parse(str(label))
-        guess = parse(f"${answer}$") or parse(answer)
-        return float(bool(gold) and bool(guess) and verify(gold, guess))
+        gold, guess = read(str(label)), read(answer)
+        return float(bool(gold) and bool(guess) and verify(gold, guess, timeout_seconds=None))
 
     return score
 

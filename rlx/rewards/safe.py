@@ -1,8 +1,11 @@
 """Scoring that never kills a run: a reward that raises, hangs or returns garbage fails only its samples.
 
-Custom rewards may be plain functions or `async def`; either way each call runs off the caller's
-thread with a deadline (`reward.timeout_s`). A hung plain function cannot be killed from Python:
-its daemon thread is abandoned and the samples fail with a timeout. A hung coroutine is cancelled.
+Rewards may be plain functions or `async def`. A `PooledReward` given a `pool` runs in that
+pool's processes (see rlx.rewards.pool: user code goes there), which kill a call past its deadline
+(`reward.timeout_s`). Any other function runs in this process on a thread of its own with the
+deadline: a hung one cannot be killed from Python, so its daemon thread is abandoned and the
+samples fail with a timeout (a hung coroutine is cancelled). Only trusted built-ins take that path
+in a run.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from rlx.rewards.pool import PooledReward, RewardFailure, RewardPool
+
 log = logging.getLogger(__name__)
 
 
@@ -23,16 +28,31 @@ log = logging.getLogger(__name__)
 class RewardOutcome:
     score: float
     error: str | None = None
+    kind: str | None = None  # the failure class: error, timeout, crash or bad_value
 
     @property
     def failed(self) -> bool:
         return self.error is not None
 
 
+def _shown(value: Any) -> str:
+    """A short repr for an error message (repr itself fails for an int of over 4300 digits)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - only for the message
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} chars)"
+
+
 def check_score(value: Any) -> RewardOutcome:
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        return RewardOutcome(0.0, f"bad reward value {value!r}: expected a finite number")
-    return RewardOutcome(float(value))
+    """A finite float, or a failed outcome (an int too large for a float, like 10**400, fails too)."""
+    try:
+        score = float(value) if isinstance(value, numbers.Real) else math.nan
+    except OverflowError:
+        score = math.nan
+    if not math.isfinite(score):
+        return RewardOutcome(0.0, f"bad reward value {_shown(value)}: expected a finite number", "bad_value")
+    return RewardOutcome(score)
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -70,37 +90,49 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float | No
     if "error" in box:
         if isinstance(box["error"], asyncio.TimeoutError):
             raise TimeoutError(f"no result within reward.timeout_s={timeout_s}s")
+        if not isinstance(box["error"], Exception):  # sys.exit() in a reward fails its sample, not the run
+            raise RewardFailure(f"{type(box['error']).__name__}: {box['error']}")
         raise box["error"]
     return box["value"]
 
 
-def _failure(exc: BaseException) -> str:
-    log.warning("reward function failed: %s: %s", type(exc).__name__, exc)
-    return f"{type(exc).__name__}: {exc}"
+def _invoke(fn: Callable[..., Any], args: tuple, timeout_s: float | None, pool: RewardPool | None) -> Any:
+    if pool is not None and isinstance(fn, PooledReward):
+        return pool.call(fn.spec, args, timeout_s)
+    return call_with_timeout(fn, args, timeout_s)
+
+
+def _failure(exc: Exception) -> RewardOutcome:
+    if isinstance(exc, RewardFailure):
+        error, kind = str(exc), exc.kind
+    else:
+        error, kind = f"{type(exc).__name__}: {exc}", "timeout" if isinstance(exc, TimeoutError) else "error"
+    log.warning("reward function failed: %s", error)
+    return RewardOutcome(0.0, error, kind)
 
 
 def score_safely(fn: Callable[..., Any], completion: str, label: str, metadata: dict[str, Any],
-                 timeout_s: float | None = None) -> RewardOutcome:
+                 timeout_s: float | None = None, pool: RewardPool | None = None) -> RewardOutcome:
     """One response: fn(completion, label, metadata) -> a finite number."""
     try:
-        value = call_with_timeout(fn, (completion, label, metadata), timeout_s)
+        value = _invoke(fn, (completion, label, metadata), timeout_s, pool)
     except Exception as exc:  # a user reward may raise anything; the sample fails, the run goes on
-        return RewardOutcome(0.0, _failure(exc))
+        return _failure(exc)
     outcome = check_score(value)
     if outcome.failed:
-        log.warning("reward function returned %r; expected a finite number", value)
+        log.warning("reward function: %s", outcome.error)
     return outcome
 
 
 def score_group_safely(fn: Callable[..., Any], completions: list[str], label: str, metadata: dict[str, Any],
-                       timeout_s: float | None = None) -> list[RewardOutcome]:
+                       timeout_s: float | None = None, pool: RewardPool | None = None) -> list[RewardOutcome]:
     """A whole group: fn(completions, label, metadata) -> one finite number per completion."""
     try:
-        values = call_with_timeout(fn, (completions, label, metadata), timeout_s)
+        values = _invoke(fn, (completions, label, metadata), timeout_s, pool)
     except Exception as exc:
-        return [RewardOutcome(0.0, _failure(exc))] * len(completions)
+        return [_failure(exc)] * len(completions)
     if not isinstance(values, (list, tuple)) or len(values) != len(completions):
-        error = f"group reward returned {values!r:.80}; expected a list of {len(completions)} numbers"
+        error = f"group reward returned {_shown(values)}; expected a list of {len(completions)} numbers"
         log.warning(error)
-        return [RewardOutcome(0.0, error)] * len(completions)
+        return [RewardOutcome(0.0, error, "bad_value")] * len(completions)
     return [check_score(v) for v in values]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import textwrap
 import time
 
@@ -96,6 +97,34 @@ def test_exact_match():
     tagged = build_reward("exact_match", "answer_tag")
     assert tagged("<answer> Paris </answer>", "Paris", {}) == 1.0
     assert tagged("<answer>paris</answer>", "Paris", {}) == 0.0
+
+
+def test_math_verify_scores_off_the_main_thread():
+    """A run scores in worker threads, where math-verify's SIGALRM timeouts cannot be set."""
+    import threading
+
+    import psutil
+
+    from rlx.data.sample import Sample
+    from rlx.roles import Reward
+
+    reward = Reward(build_reward("math_verify", "boxed"), timeout_s=30)
+    samples = [Sample(uid=0, group_id=0, response_text="so \\boxed{\\frac{1}{2}}", label="1/2"),
+               Sample(uid=1, group_id=0, response_text="\\boxed{0.3}", label="1/2")]
+    scorer = threading.Thread(target=reward.score, args=(samples,))
+    try:
+        scorer.start()
+        scorer.join(60)
+        assert [(s.reward, s.reward_error) for s in samples] == [(1.0, None), (0.0, None)]
+        in_thread: list[RewardOutcome] = []  # the function itself is thread-safe too
+        direct = reward.reward_fn
+        caller = threading.Thread(target=lambda: in_thread.append(score_safely(direct, "\\boxed{0.5}", "1/2", {})))
+        caller.start()
+        caller.join(60)
+        assert in_thread == [RewardOutcome(1.0)]
+    finally:
+        reward.close()
+    assert not psutil.Process().children()
 
 
 def test_math_verify():
@@ -210,6 +239,9 @@ def _raises(completion, label, metadata):
         (lambda c, lab, m: float("inf"), 0.0, "inf"),
         (lambda c, lab, m: "1.0", 0.0, "'1.0'"),
         (lambda c, lab, m: None, 0.0, "None"),
+        (lambda c, lab, m: 10**400, 0.0, "bad reward value 1000"),  # too large for a float
+        (lambda c, lab, m: 10**5000, 0.0, "bad reward value <int>"),  # too large even to print
+        (lambda c, lab, m: sys.exit(2), 0.0, "SystemExit: 2"),
     ],
 )
 def test_score_safely_failures(fn, score, error_part):

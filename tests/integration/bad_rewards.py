@@ -1,0 +1,51 @@
+"""Custom rewards that misbehave on request, for the reward pool tests (`module:function` specs).
+
+A sample whose metadata names a `fault` acts it out; every other sample scores 1.0 when the
+completion contains the label, so a test can check that the rest of its batch still scores right.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from typing import Any, Callable
+
+
+def _catastrophic_regex() -> float:
+    # Nested quantifiers on a non-matching tail: ~2**40 steps inside re, all with the GIL held.
+    return float(re.match(r"(a+)+$", "a" * 40 + "b") is not None)
+
+
+def _raise() -> float:
+    raise RuntimeError("the grader is broken")
+
+
+FAULTS: dict[str, Callable[[], Any]] = {
+    "gil_regex": _catastrophic_regex,
+    "sys_exit": lambda: sys.exit(3),
+    "os_exit": lambda: os._exit(7),
+    "huge_int": lambda: 10**400,
+    "raises": _raise,
+}
+
+
+def _contains(completion: str, label: str) -> float:
+    return float(label in completion)
+
+
+def misbehaves(completion: str, label: str, metadata: dict[str, Any]) -> Any:
+    fault = metadata.get("fault")
+    return FAULTS[fault]() if fault else _contains(completion, label)
+
+
+async def blocks_the_loop(completion: str, label: str, metadata: dict[str, Any]) -> float:
+    if metadata.get("fault"):
+        time.sleep(60)  # a blocking call inside async def: the event loop cannot cancel it
+    return _contains(completion, label)
+
+
+def misbehaves_per_group(completions: list[str], label: str, metadata: dict[str, Any]) -> Any:
+    fault = metadata.get("fault")
+    return FAULTS[fault]() if fault else [_contains(c, label) for c in completions]

@@ -1,0 +1,117 @@
+"""User reward code runs in a killable process pool: a reward that holds the GIL, exits, returns
+garbage, blocks its event loop or raises fails only its own samples, within reward.timeout_s,
+and leaves no thread or process behind. One warm pool serves the module (starting is the cost)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from rlx.data.sample import Sample
+from rlx.rewards import RewardPool, RewardSpec, build_reward
+from rlx.rewards.pool import _Worker
+from rlx.roles import Reward
+
+BAD = "tests.integration.bad_rewards"
+TIMEOUT_S = 1.0
+SLACK_S = 2.0  # a killed worker's replacement boots within the measured call
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(max_workers=2) as shared:
+        yield shared
+
+
+def _batch(fault: str | None, groups: int = 3) -> list[Sample]:
+    """One sample per group; the middle one acts out `fault`, the others contain their label."""
+    return [Sample(uid=i, group_id=i, response_text="the answer is 42", label="42",
+                   metadata={"fault": fault} if fault and i == groups // 2 else {}) for i in range(groups)]
+
+
+def _reward(fn: str, pool: RewardPool, scope: str = "sample") -> Reward:
+    reward = Reward(build_reward(f"{BAD}:{fn}", "none"), timeout_s=TIMEOUT_S, pool=pool, scope=scope)
+    reward.score(_batch(None))  # warm: a worker has started and loaded this reward
+    return reward
+
+
+def _assert_only_pool_children(pool: RewardPool) -> None:
+    """Every child process is a live pool worker: none leaked, none left a zombie."""
+    children = psutil.Process().children()
+    assert {c.pid for c in children} <= set(pool.pids())
+    assert all(c.status() != psutil.STATUS_ZOMBIE for c in children)
+
+
+@pytest.mark.parametrize("fn,fault,kind,error", [
+    ("misbehaves", "gil_regex", "timeout", f"no result within reward.timeout_s={TIMEOUT_S}s"),
+    ("misbehaves", "sys_exit", "error", "SystemExit: 3"),
+    ("misbehaves", "os_exit", "crash", "exited with code 7"),
+    ("misbehaves", "huge_int", "bad_value", "bad reward value 1000"),
+    ("misbehaves", "raises", "error", "RuntimeError: the grader is broken"),
+    ("blocks_the_loop", "blocking_sleep", "timeout", f"no result within reward.timeout_s={TIMEOUT_S}s"),
+])
+def test_a_misbehaving_reward_fails_only_its_own_sample(pool, fn, fault, kind, error):
+    reward = _reward(fn, pool)
+    threads = threading.active_count()
+    started = time.monotonic()
+    samples = reward.score(_batch(fault))
+    assert time.monotonic() - started < TIMEOUT_S + SLACK_S
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
+    assert samples[0].reward_error is None and samples[2].reward_error is None
+    assert error in samples[1].reward_error
+    assert reward.failures == {kind: 1}
+    assert threading.active_count() == threads
+    _assert_only_pool_children(pool)
+
+
+def test_a_group_reward_that_crashes_fails_only_its_group(pool):
+    reward = _reward("misbehaves_per_group", pool, scope="group")
+    crash = {"fault": "os_exit"}
+    samples = _batch("os_exit") + [Sample(uid=9, group_id=1, response_text="no", label="42", metadata=crash)]
+    reward.score(samples)
+    assert [s.reward_error is None for s in samples] == [True, False, True, False]
+    assert samples[1].reward_error == samples[3].reward_error  # one call for the whole group
+    assert "exited with code 7" in samples[1].reward_error
+    assert reward.failures == {"crash": 2}
+    _assert_only_pool_children(pool)
+
+
+def test_workers_stay_warm_and_a_timed_out_one_is_replaced(pool):
+    reward = _reward("misbehaves", pool)
+    before = set(pool.pids())
+    reward.score(_batch(None))
+    assert set(pool.pids()) == before  # reused, not restarted
+    replaced = pool.replaced
+    reward.score(_batch("gil_regex"))
+    assert pool.replaced == replaced + 1
+    assert len(set(pool.pids()) - before) == 1
+    assert not set(pool.pids()) >= before  # the late worker is gone, killed and reaped
+    _assert_only_pool_children(pool)
+
+
+def test_a_pool_process_ends_itself_after_its_deadline():
+    """If the pool dies mid-call, its process still ends: a kernel alarm, even with the GIL held."""
+    worker = _Worker()
+    try:
+        worker.answer(60, "the pool process did not start")
+        spec = RewardSpec(f"{BAD}:misbehaves", "none", None, tuple(sys.path))
+        worker.conn.send(("call", spec, ("x", "x", {"fault": "gil_regex"}), 0.5))
+        assert worker.proc.wait(timeout=30) == -signal.SIGALRM
+    finally:
+        worker.kill()
+
+
+def test_close_stops_every_pool_process():
+    reward = Reward(build_reward(f"{BAD}:misbehaves", "none"), timeout_s=10, pool_size=2)
+    reward.score(_batch(None))
+    pids = reward._pool.pids()  # the role's own pool, to check that its processes end
+    assert pids
+    reward.close()
+    assert not {c.pid for c in psutil.Process().children()} & set(pids)  # ended and reaped
+    assert reward.score(_batch(None))[0].reward == 1.0  # a closed role starts a new pool when it scores again
+    reward.close()
