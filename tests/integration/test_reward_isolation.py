@@ -115,3 +115,16 @@ def test_close_stops_every_pool_process():
     assert not {c.pid for c in psutil.Process().children()} & set(pids)  # ended and reaped
     assert reward.score(_batch(None))[0].reward == 1.0  # a closed role starts a new pool when it scores again
     reward.close()
+
+
+def test_a_backtracking_format_pattern_times_out_in_the_pool(pool):
+    """reward.format_pattern is user input too: a catastrophic regex fails its sample, not the run."""
+    reward = Reward(build_reward("format", "none", r"(a+)+$"), timeout_s=TIMEOUT_S, pool=pool)
+    samples = [Sample(uid=0, group_id=0, response_text="aaaa"),
+               Sample(uid=1, group_id=1, response_text="a" * 40 + "b")]
+    started = time.monotonic()
+    reward.score(samples)
+    assert time.monotonic() - started < TIMEOUT_S + SLACK_S
+    assert samples[0].reward == 1.0 and samples[0].reward_error is None
+    assert "reward.timeout_s" in samples[1].reward_error
+    _assert_only_pool_children(pool)

@@ -217,6 +217,17 @@ def test_custom_reward_errors(custom_module):
         build_reward(f"{custom_module}:NOT_CALLABLE", "none")
 
 
+@pytest.mark.parametrize("name,pattern,pooled", [
+    ("exact_match", None, False), ("reasoning_gym", None, False), ("multiple_choice", None, False),
+    ("format", None, False), ("format", r"\d+", True), ("math_verify", None, True),
+    (f"{__name__}:length_reward", None, True),
+])
+def test_untrusted_or_slow_rewards_run_in_the_pool(name, pattern, pooled):
+    from rlx.rewards import PooledReward
+
+    assert isinstance(build_reward(name, "none", pattern), PooledReward) == pooled
+
+
 def test_unknown_reward_name():
     with pytest.raises(ConfigError) as info:
         build_reward("f1_score", "last_number")
