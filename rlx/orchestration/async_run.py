@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 
@@ -33,9 +34,9 @@ from rlx.orchestration.builder import (
     sampling_params,
 )
 from rlx.orchestration.controller import Controller
-from rlx.orchestration.plan import build_plan
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.health import HealthManager
+from rlx.orchestration.plan import build_plan
 from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
 from rlx.orchestration.workers import Cursor
 from rlx.weights.sync import CoordinatorUnavailable, WeightReader, WeightSync

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlx.config import RunConfig
+from rlx.config import EngineSettings, RunConfig
 from rlx.data import PromptRow, PromptStream, load_splits
 from rlx.data.prompts import encode_prompt
 from rlx.engines.generation import EngineSpec, SamplingParams, build_generation_engine
@@ -21,9 +21,9 @@ from rlx.engines.training import TrainingEngine
 from rlx.engines.training.forward import token_values
 from rlx.errors import ConfigError
 from rlx.models import load_pretrained, load_tokenizer, load_value_model, resolve_model_path
+from rlx.orchestration.plan import RolePlan, build_plan
 from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.staleness import StalenessGate
-from rlx.orchestration.plan import RolePlan, build_plan
 from rlx.orchestration.workers import (
     ActorWorker,
     AdvantagesWorker,

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 from ray import serve
@@ -141,6 +142,10 @@ class Controller:
             except Exception as exc:  # a dead replica cannot stop; shutting Serve down removes it anyway
                 self.echo(f"stopping {role}: {type(exc).__name__}: {exc}")
         if ray.is_initialized():
-            serve.shutdown()
+            if self.started_ray:
+                serve.shutdown()
+            else:  # a shared cluster: remove this run's applications only
+                for role in self.handles:
+                    serve.delete(self.app_name(role))
         if self.started_ray:
             stop_ray()

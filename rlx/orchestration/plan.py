@@ -13,9 +13,10 @@ error that names both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Literal
+from typing import Literal
 
 from rlx.config import RunConfig
 from rlx.errors import ConfigError
@@ -168,8 +169,10 @@ class RolePlan:
         done, order = {ROLLOUT}, []
         pending = [task for task in self.tasks if task != ROLLOUT]
         while pending:
-            ready = next(task for task in pending
-                         if all(self.field(name).writer in done for name in self.inputs(task)))
+            ready = next((task for task in pending
+                          if all(self.field(name).writer in done for name in self.inputs(task))), None)
+            if ready is None:
+                raise ConfigError(f"the bus fields of tasks {pending} depend on each other in a cycle")
             order.append(ready)
             done.add(ready)
             pending.remove(ready)
@@ -194,8 +197,5 @@ def build_plan(config: RunConfig, roles: tuple[RoleSpec, ...] = ROLES,
     if problems:
         raise ConfigError("the roles of this config do not fit together:\n  " + "\n  ".join(problems))
     plan = RolePlan(active, tuple(spec for spec in fields if spec.writer in tasks))
-    try:
-        plan.phase_order
-    except StopIteration:
-        raise ConfigError(f"the bus fields of roles {plan.role_names} depend on each other in a cycle") from None
+    plan.phase_order  # noqa: B018 -- a cycle of reads and writes raises here, at config time
     return plan

@@ -1,14 +1,24 @@
-"""The run directory: resolved config, metrics, checkpoints, plots."""
+"""The run directory: resolved config, metrics, checkpoints, plots.
+
+rlx marks every run directory it creates with `.rlx-run`; `--overwrite` deletes only such a
+directory, so a mistyped `logging.run_dir` can never wipe someone's files.
+"""
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 
+import torch
+
+from rlx.checkpoints import CheckpointError, fsync_tree, is_legacy, newest_complete, write_marker
 from rlx.config import RunConfig
 from rlx.errors import UserError
+from rlx.run_state import LEGACY_FILE, save_run_state
 
 CHECKPOINTS = "checkpoints"
+RUN_MARKER = ".rlx-run"
 
 
 class RunDirError(UserError):
@@ -21,12 +31,46 @@ def prepare_run_dir(config: RunConfig, resume: bool, overwrite: bool) -> Path:
         if not overwrite:
             raise RunDirError(f"run directory {run_dir} already exists: pass --resume to continue it, "
                               "--overwrite to replace it, or set logging.name=<new name>")
-        shutil.rmtree(run_dir)
+        empty_run_dir(run_dir)
     if resume and latest_checkpoint(run_dir) is None:
         raise RunDirError(f"--resume: no checkpoint in {run_dir / CHECKPOINTS}")
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_MARKER).touch()
     (run_dir / "config.yaml").write_text(config.to_yaml())
     return run_dir
+
+
+def _refuse_overwrite(run_dir: Path) -> str | None:
+    """Why `--overwrite` must not delete `run_dir`; None when it may."""
+    where = run_dir.resolve()
+    if run_dir.is_symlink() or not run_dir.is_dir():
+        return "it is a symlink or not a directory"
+    if where == Path(where.anchor) or where == Path.home().resolve():
+        return "it is the filesystem root or your home directory"
+    if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
+        return "it is the working directory or one of its parents"
+    if not (run_dir / RUN_MARKER).is_file():
+        return (f"rlx did not create it (no {RUN_MARKER} file inside; a run directory of an older rlx gets one "
+                f"from `rlx convert-run {run_dir}`)")
+    return None
+
+
+def empty_run_dir(run_dir: Path) -> None:
+    """`--overwrite`: delete everything in a run directory rlx made, its marker last (an interrupted
+    delete can be repeated). An empty directory is simply reused."""
+    if run_dir.is_dir() and not run_dir.is_symlink() and not any(run_dir.iterdir()):
+        return
+    reason = _refuse_overwrite(run_dir)
+    if reason is not None:
+        raise RunDirError(f"--overwrite refuses to delete {run_dir} ({run_dir.resolve()}): {reason}. "
+                          "Choose a directory of its own with logging.run_dir=<path> or logging.name=<name>")
+    for child in run_dir.iterdir():
+        if child.name == RUN_MARKER:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
 
 
 def checkpoint_path(run_dir: Path, step: int, role: str | None = None) -> Path:
@@ -36,7 +80,54 @@ def checkpoint_path(run_dir: Path, step: int, role: str | None = None) -> Path:
 
 
 def latest_checkpoint(run_dir: Path, role: str | None = None) -> Path | None:
-    """The newest complete checkpoint (staging folders end in .partial and are ignored)."""
-    folder = run_dir / CHECKPOINTS / (role or "")
-    done = sorted(p for p in folder.glob("step_*") if not p.name.endswith(".partial")) if folder.exists() else []
-    return done[-1] if done else None
+    """The newest complete checkpoint (incomplete ones, without their marker, are skipped; an
+    old-format one is an error naming `rlx convert-run`)."""
+    return newest_complete(run_dir / CHECKPOINTS / (role or ""), run_dir)
+
+
+# -- converting a run directory of the old format ------------------------------------------------
+def _legacy_checkpoints(run_dir: Path) -> list[Path]:
+    folder = run_dir / CHECKPOINTS
+    found = [p for pattern in ("step_*", "*/step_*") for p in folder.glob(pattern)]
+    return sorted(p for p in found if p.is_dir() and is_legacy(p))
+
+
+def _convert_optimizer(path: Path) -> None:
+    """Re-save a trusted optimizer file so that it loads with `weights_only=True`, or say why not."""
+    state = torch.load(path, weights_only=False)
+    staging = path.with_name(path.name + ".new")
+    torch.save(state, staging)
+    try:
+        torch.load(staging, weights_only=True)
+    except Exception as exc:
+        staging.unlink()
+        raise CheckpointError(f"{path} holds more than tensors and plain data ({exc}): "
+                              "it cannot be converted") from exc
+    staging.replace(path)
+
+
+def convert_checkpoint(folder: Path) -> None:
+    """One old-format checkpoint, in place: the pickle becomes JSON + safetensors, optimizer files
+    are made `weights_only`-loadable, then the marker; the pickle goes last. Interrupted, it can
+    simply run again (without the marker the folder still counts as old)."""
+    for optimizer in sorted(folder.rglob("optimizer.pt")):
+        _convert_optimizer(optimizer)
+    legacy = folder / LEGACY_FILE
+    if legacy.exists():
+        with open(legacy, "rb") as source:
+            save_run_state(folder, pickle.load(source))  # trusted: the user asked for this conversion
+    fsync_tree(folder)
+    write_marker(folder)
+    legacy.unlink(missing_ok=True)
+
+
+def convert_run(run_dir: Path) -> list[Path]:
+    """Convert every old-format checkpoint of `run_dir` and mark it a run directory; returns the
+    checkpoints converted."""
+    if not (run_dir / "config.yaml").is_file() or not (run_dir / CHECKPOINTS).is_dir():
+        raise RunDirError(f"{run_dir} is not a run directory (it needs config.yaml and {CHECKPOINTS}/)")
+    converted = _legacy_checkpoints(run_dir)
+    for folder in converted:
+        convert_checkpoint(folder)
+    (run_dir / RUN_MARKER).touch()
+    return converted

@@ -11,10 +11,11 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rlx.bus.core import BusTimeout
 from rlx.bus.loader import StreamingDataLoader
@@ -164,6 +165,8 @@ class RewardWorker(Worker):
         self.batch_size, self.concurrency = batch_size, 1 if unit == "batch" else concurrency
         self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="rlx-reward")
         self.in_flight: set[Future] = set()
+        if hasattr(role, "close"):  # the Reward role's process pool ends with the worker
+            self.on_stop.append(role.close)
 
     def _score(self, rows: list[int], samples: list[Sample]) -> None:
         self._timed(lambda: self.role.score(samples))
