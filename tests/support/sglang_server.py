@@ -212,7 +212,7 @@ def build_app(loop: EngineLoop, tokenizer: Any, model_path: str, group_timeout_s
                     raise ValueError(f"{name!r} has shape {list(tensor.shape)}, expected {list(state[name].shape)}")
             engine.load_weights({**state, **dict(named)}, version)
 
-        loop.call(apply)
+        loop.run_on_engine_thread(apply)
 
     @app.get("/health")
     def health() -> Response:

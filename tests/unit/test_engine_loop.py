@@ -41,10 +41,10 @@ def test_requests_submitted_apart_decode_together_and_match_a_batch(loop, engine
 
 def test_calls_run_on_the_engine_thread_even_while_paused(loop):
     loop.pause()
-    assert loop.call(lambda: threading.current_thread().name) == "rlx-engine-loop"
+    assert loop.run_on_engine_thread(lambda: threading.current_thread().name) == "rlx-engine-loop"
     with pytest.raises(ZeroDivisionError):
-        loop.call(lambda: 1 / 0)  # the caller gets the error; the loop lives on
-    assert loop.call(lambda: 2) == 2
+        loop.run_on_engine_thread(lambda: 1 / 0)  # the caller gets the error; the loop lives on
+    assert loop.run_on_engine_thread(lambda: 2) == 2
 
 
 def test_a_cancelled_request_is_never_decoded(loop, engine_and_prompts):
@@ -76,4 +76,4 @@ def test_stop_fails_waiting_requests_and_refuses_new_ones(engine_and_prompts):
     with pytest.raises(EngineLoopStopped, match="has stopped"):
         loop.submit(prompts[0], GREEDY)
     with pytest.raises(EngineLoopStopped):
-        loop.call(lambda: None)
+        loop.run_on_engine_thread(lambda: None)

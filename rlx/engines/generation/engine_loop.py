@@ -77,7 +77,7 @@ class EngineLoop:
             self._cond.notify_all()
         return job.future
 
-    def call(self, fn: Callable[[], T]) -> T:
+    def run_on_engine_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread (between decode steps) and return its result."""
         future: Future = Future()
         with self._cond:
