@@ -1,4 +1,4 @@
-"""The `rlx` command line: train, doctor, status, scale, models, export, eval, plot, bench."""
+"""The `rlx` command line: train, doctor, status, scale, models, export, convert-run, eval, plot, bench."""
 
 from __future__ import annotations
 
@@ -25,8 +25,17 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    """Print the validated config (stdout, YAML), then on stderr what `auto` settings resolved to and
+    the warnings about allowed but doubtful choices."""
+    from rlx.config import auto_correction, config_warnings
+
     config = load_config(args.config, args.overrides)
     print(config.to_yaml(), end="")
+    correction, why = auto_correction(config)
+    print(f"# algorithm.behavior_correction={config.algorithm.behavior_correction} -> {correction} ({why})",
+          file=sys.stderr)
+    for warning in config_warnings(config):
+        print(f"# warning: {warning}", file=sys.stderr)
     print("# config OK", file=sys.stderr)
     return 0
 
@@ -43,8 +52,8 @@ def _api(run_dir: str) -> tuple[str, dict[str, str]]:
 def _status(args: argparse.Namespace) -> int:
     import requests
 
-    url, _ = _api(args.run_dir)
-    print(json.dumps(requests.get(f"{url}/v1/status", timeout=30).json(), indent=2))
+    url, auth = _api(args.run_dir)
+    print(json.dumps(requests.get(f"{url}/v1/status", headers=auth, timeout=30).json(), indent=2))
     return 0
 
 
@@ -66,19 +75,27 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    import shutil
-
+    """Only the allowlisted model files (`rlx.checkpoints.EXPORT_PATTERNS`): never optimizer state,
+    run state, prompts or responses."""
+    from rlx.checkpoints import export_checkpoint
     from rlx.orchestration.run_dir import latest_checkpoint
 
     source = Path(args.checkpoint)
-    if not (source / "config.json").exists():
+    if not source.is_dir():
+        raise UserError(f"{source} does not exist or is not a folder: give a checkpoint folder or a run directory")
+    if not any(source.glob("model*.safetensors")):
         source = latest_checkpoint(source) or source
-    if not (source / "model.safetensors").exists():
-        raise ConfigError(f"{args.checkpoint} is neither a checkpoint folder nor a run directory with checkpoints")
-    out = Path(args.out)
-    shutil.copytree(source, out, ignore=shutil.ignore_patterns("optimizer.pt", "trainer_state.json"),
-                    dirs_exist_ok=True)
-    print(f"exported {source} -> {out}")
+    names = export_checkpoint(source, Path(args.out))
+    print(f"exported {source} -> {args.out}: {', '.join(names)}")
+    return 0
+
+
+def _convert_run(args: argparse.Namespace) -> int:
+    from rlx.orchestration.run_dir import convert_run
+
+    converted = convert_run(Path(args.run_dir))
+    print(f"converted {len(converted)} checkpoint(s) of {args.run_dir} to checkpoint format 2"
+          + "".join(f"\n  {path}" for path in converted))
     return 0
 
 
@@ -136,13 +153,20 @@ def _bench(args: argparse.Namespace) -> int:
 
         table = format_table(run_algorithms_benchmark(Path(args.work_dir), steps=args.steps, only=args.only))
         command = f"rlx bench algorithms --steps {args.steps} --work-dir {args.work_dir}"
+    elif args.what == "staleness":
+        from rlx.bench.staleness import format_table, run_staleness_benchmark
+        from rlx.orchestration.async_run import run_async
+
+        results = run_staleness_benchmark(Path(args.work_dir), args.steps, args.eval_size, run_async)
+        table = format_table(results)
+        command = f"rlx bench staleness --steps {args.steps} --eval-size {args.eval_size} --work-dir {args.work_dir}"
     else:
         from rlx.bench.pipeline import format_table, run_pipeline_benchmark
 
         table = format_table(run_pipeline_benchmark(Path(args.work_dir), steps=args.steps))
         command = f"rlx bench pipeline --steps {args.steps}"
     print(table)
-    out = Path(args.out or ("docs/algorithms.md" if args.what == "algorithms" else "docs/benchmarks.md"))
+    out = Path(args.out or ("docs/algorithms.md" if args.what in ("algorithms", "staleness") else "docs/benchmarks.md"))
     update_section(out, args.what, command, table)
     print(f"written to {out}")
     return 0
@@ -156,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-6 rollout.n=8")
     train.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
-    train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace an existing run directory (only one rlx created: it holds a .rlx-run file)")
     train.set_defaults(func=_train)
 
     doctor = sub.add_parser("doctor", help="validate a config and print it resolved")
@@ -177,19 +202,31 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("action", choices=["list"])
     models.set_defaults(func=_models)
 
-    export = sub.add_parser("export", help="export a checkpoint (or a run's latest) as a Hugging Face folder")
+    export = sub.add_parser("export", help="export a checkpoint (or a run's latest) as a Hugging Face folder: "
+                            "weights, config, tokenizer and chat template only")
     export.add_argument("checkpoint")
     export.add_argument("out")
     export.set_defaults(func=_export)
 
+    convert = sub.add_parser(
+        "convert-run", help="convert a run directory's old-format checkpoints (pickle run state) in place",
+        description="Converts every old-format checkpoint of RUN_DIR in place: run_state.pkl becomes "
+                    "run_state.json + run_state.safetensors, optimizer files are re-saved to load with "
+                    "weights_only=True, and each gets its completion marker. This LOADS THE OLD PICKLES ONCE, "
+                    "TRUSTING THEM: a pickle can run code, so convert only run directories you wrote yourself.")
+    convert.add_argument("run_dir")
+    convert.set_defaults(func=_convert_run)
+
     bench = sub.add_parser("bench", help="benchmarks measured side by side; results go to docs/benchmarks.md")
-    bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms"])
-    bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline)")
+    bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms", "staleness"])
+    bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline) or per run "
+                       "(algorithms, staleness: the same sample budget for every run)")
     bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus, weights)")
     bench.add_argument("--work-dir", default="runs/bench", help="scratch folder for runs and models")
     bench.add_argument("--only", action="append", help="algorithms: run just this one (repeatable); the table "
                        "keeps earlier results found in --work-dir")
-    bench.add_argument("--out", help="default docs/benchmarks.md (algorithms: docs/algorithms.md)")
+    bench.add_argument("--eval-size", type=int, default=1000, help="staleness: held-out problems per evaluation")
+    bench.add_argument("--out", help="default docs/benchmarks.md (algorithms, staleness: docs/algorithms.md)")
     bench.set_defaults(func=_bench)
 
     evaluate = sub.add_parser("eval", help="greedy held-out accuracy of a run's latest checkpoint")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -213,7 +213,7 @@ class CustomLoss(Section):
         return name
 
 
-LossConfig = Annotated[Union[ClippedLoss, GspoLoss, SapoLoss, CispoLoss, CustomLoss], Field(discriminator="type")]
+LossConfig = Annotated[ClippedLoss | GspoLoss | SapoLoss | CispoLoss | CustomLoss, Field(discriminator="type")]
 LOSS_CONFIGS: dict[str, type[Section]] = {"clipped": ClippedLoss, "gspo": GspoLoss, "sapo": SapoLoss,
                                           "cispo": CispoLoss, "custom": CustomLoss}
 Correction = Literal["none", "tis", "decoupled"]
@@ -257,8 +257,9 @@ class AlgorithmConfig(Section):
             return value
         kind = value.get("type", "clipped")
         if kind not in LOSS_CONFIGS:
-            raise ValueError(f"algorithm.loss.type={kind!r} is not one of {', '.join(LOSS_CONFIGS)}; a loss registered "
-                             "in POLICY_LOSSES is chosen with algorithm.loss.type=custom algorithm.loss.name=module:name")
+            raise ValueError(f"algorithm.loss.type={kind!r} is not one of {', '.join(LOSS_CONFIGS)}; a loss "
+                             "registered in POLICY_LOSSES is chosen with algorithm.loss.type=custom "
+                             "algorithm.loss.name=module:name")
         return {**value, "type": kind}
 
     @property

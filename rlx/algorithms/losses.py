@@ -1,49 +1,94 @@
 """Policy losses: per-token loss terms (aggregated later by `aggregate`), each registered by name.
 
-Every registered loss has one signature, `(logprobs, old_logprobs, advantages, mask, config) ->
-(per-token loss, per-token 1.0 where the update was cut off)`, so the objective can swap them.
-All inputs are [B, R]; `advantages` is already broadcast to tokens.
+Every registered loss has one signature, `(inputs: LossInputs, config) -> LossTerms`, where
+`config` is the loss's own section of `algorithm.loss` (`ClippedLoss`, `GspoLoss`, ..., or
+`CustomLoss` for one of yours), so the objective can swap them. POLICY_LOSSES is the plug-in
+point: register `fn` under a name and select it with `algorithm.loss.type=custom` and
+`algorithm.loss.name=<module>:<name>` (see `CustomLoss`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from rlx.config import AlgorithmConfig
 from rlx.registry import Registry
 
-PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AlgorithmConfig],
-                      tuple[torch.Tensor, torch.Tensor]]
+if TYPE_CHECKING:
+    from rlx.config import CispoLoss, ClippedLoss, GspoLoss, SapoLoss
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """The per-token fields a policy loss reads, all [B, R]; `advantages` is already broadcast to tokens."""
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+
+    def ratio(self) -> torch.Tensor:
+        """r_t = pi(y_t) / pi_old(y_t), with the gradient of pi."""
+        return torch.exp(self.logprobs - self.old_logprobs)
+
+
+class LossTerms(NamedTuple):
+    """[B, R] per-token loss, and 1.0 where the update was cut off (clipped, gated, bounded)."""
+
+    loss: torch.Tensor
+    cut: torch.Tensor
+
+
+PolicyLoss = Callable[[LossInputs, Any], LossTerms]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
-def clipped_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def find_policy_loss(name: str) -> PolicyLoss:
+    """The loss registered as `name`; `module:name` imports `module` first, so its registration runs
+    in this process. Errors are ValueErrors that say what to fix (the config shows them as such)."""
+    module, _, key = name.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ValueError(f"cannot import module {module!r} for policy loss {key!r}: {exc}") from None
+    if key not in POLICY_LOSSES:
+        raise ValueError(f"no policy loss {key!r} is registered (known: {', '.join(POLICY_LOSSES.names())}); register "
+                         "it with @POLICY_LOSSES.register(name) in a module and set algorithm.loss.name=module:name")
+    if key in BUILT_IN:
+        raise ValueError(f"{key!r} is a built-in loss: set algorithm.loss.type={key} and its own keys instead")
+    return POLICY_LOSSES.get(key)
+
+
+def policy_loss_of(config: Any) -> PolicyLoss:
+    """The function for an `algorithm.loss` section: built-ins by `type`, custom ones by `name`."""
+    return find_policy_loss(config.name) if config.type == "custom" else POLICY_LOSSES.get(config.type)
+
+
+@POLICY_LOSSES.register("clipped")
+def clipped_policy_loss(x: LossInputs, config: ClippedLoss) -> LossTerms:
     """PPO/GRPO clipped surrogate with separate bounds (DAPO clip-higher) and optional dual clip.
 
     loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t), r_t = exp(logp_t - old_logp_t).
     Dual clip (A_t < 0 only): loss_t = min(loss_t, -dual_clip * A_t), bounding how hard one very
-    unlikely-now token can push. Returns (per-token loss, 1.0 where a clip was active).
+    unlikely-now token can push.
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    advantages = x.advantages
+    ratio = x.ratio()
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    clipped = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     was_clipped = clipped < unclipped
-    if dual_clip is not None:
-        bound = -dual_clip * advantages
+    if config.dual_clip is not None:
+        bound = -config.dual_clip * advantages
         dual = (advantages < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
         was_clipped = was_clipped | dual
-    return loss, was_clipped.float()
+    return LossTerms(loss, was_clipped.float())
 
 
 def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -51,51 +96,47 @@ def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask:
     return ((logprobs - old_logprobs) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
-def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_high: float):
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(x: LossInputs, config: GspoLoss) -> LossTerms:
     """GSPO: one importance ratio per sequence, s_i = exp(mean_t log r_it), clipped like PPO.
 
     The sequence loss -min(s_i A_i, clip(s_i) A_i) is placed on every token of the sequence;
     aggregate with seq-mean-token-mean for the paper's sequence average.
     """
-    seq_ratio = torch.exp(sequence_log_ratio(logprobs, old_logprobs, mask))[:, None]
-    advantage = advantages[:, :1]  # GSPO advantages are per sequence
+    seq_ratio = torch.exp(sequence_log_ratio(x.logprobs, x.old_logprobs, x.mask))[:, None]
+    advantage = x.advantages[:, :1]  # GSPO advantages are per sequence
     unclipped = seq_ratio * advantage
-    clipped = torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high) * advantage
+    clipped = torch.clamp(seq_ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * advantage
     loss = -torch.minimum(unclipped, clipped)
-    return loss.expand_as(logprobs), (clipped < unclipped).float().expand_as(logprobs)
+    return LossTerms(loss.expand_as(x.logprobs), (clipped < unclipped).float().expand_as(x.logprobs))
 
 
-def sapo_loss(logprobs, old_logprobs, advantages, tau_pos: float, tau_neg: float):
+@POLICY_LOSSES.register("sapo")
+def sapo_loss(x: LossInputs, config: SapoLoss) -> LossTerms:
     """SAPO: a smooth gate instead of a hard clip. loss_t = -f(r_t) A_t, f(r) = (4/tau) sigmoid(tau (r - 1)).
 
     f'(1) = 1, so on-policy tokens get the plain policy gradient; the gradient fades smoothly as the
     ratio drifts, faster for negative advantages when tau_neg > tau_pos. The "cut off" indicator
     marks tokens whose gate weight f'(r) fell below one half.
     """
-    ratio = torch.exp(logprobs - old_logprobs)
-    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    ratio = x.ratio()
+    tau = torch.where(x.advantages > 0, torch.full_like(ratio, config.tau_pos), torch.full_like(ratio, config.tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0))
-    loss = -(4.0 / tau) * gate * advantages
+    loss = -(4.0 / tau) * gate * x.advantages
     weight = 4.0 * gate * (1.0 - gate)
-    return loss, (weight.detach() < 0.5).float()
+    return LossTerms(loss, (weight.detach() < 0.5).float())
 
 
-def cispo_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float):
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(x: LossInputs, config: CispoLoss) -> LossTerms:
     """CISPO: loss_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_t log pi(y_t).
 
     The importance weight is clipped and detached, so every token keeps a gradient (none is dropped
     as in PPO's clip); only its weight is bounded.
     """
-    ratio = torch.exp(logprobs - old_logprobs).detach()
-    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return -weight * advantages * logprobs, (weight != ratio).float()
+    ratio = x.ratio().detach()
+    weight = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    return LossTerms(-weight * x.advantages * x.logprobs, (weight != ratio).float())
 
 
-POLICY_LOSSES.register("clipped")(
-    lambda lp, old, adv, mask, cfg: clipped_policy_loss(lp, old, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip))
-POLICY_LOSSES.register("gspo")(
-    lambda lp, old, adv, mask, cfg: gspo_loss(lp, old, adv, mask, cfg.gspo_clip_low, cfg.gspo_clip_high))
-POLICY_LOSSES.register("sapo")(
-    lambda lp, old, adv, mask, cfg: sapo_loss(lp, old, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg))
-POLICY_LOSSES.register("cispo")(
-    lambda lp, old, adv, mask, cfg: cispo_loss(lp, old, adv, cfg.cispo_clip_low, cfg.cispo_clip_high))
+BUILT_IN = frozenset(POLICY_LOSSES.names())

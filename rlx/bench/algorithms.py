@@ -12,12 +12,14 @@ from rlx.orchestration.colocate import run_colocate
 BASE_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "chain_sum_smollm2.yaml"
 
 # Each algorithm's own settings on top of the shared example config (GRPO with clip-higher there).
+# A loss of another type replaces the whole `algorithm.loss` section, so no clipped-loss knob of the
+# example carries over into it.
 ALGORITHMS: dict[str, list[str]] = {
-    "GRPO": ["algorithm.clip_high=0.2"],
-    "DAPO": ["algorithm.clip_high=0.28", "algorithm.dynamic_sampling=true", "reward.overlong_buffer=8",
+    "GRPO": ["algorithm.loss.clip_high=0.2"],
+    "DAPO": ["algorithm.loss.clip_high=0.28", "algorithm.dynamic_sampling=true", "reward.overlong_buffer=8",
              "reward.overlong_penalty=0.5"],
-    "GSPO": ["algorithm.policy_loss=gspo", "algorithm.aggregation=seq-mean-token-mean"],
-    "SAPO": ["algorithm.policy_loss=sapo"],
+    "GSPO": ["algorithm.loss={type: gspo}", "algorithm.aggregation=seq-mean-token-mean"],
+    "SAPO": ["algorithm.loss={type: sapo}"],
     "PPO": ["algorithm.advantage=gae", "algorithm.lam=0.95", "critic.lr=5e-5"],
 }
 

@@ -3,15 +3,24 @@
 A step may arrive all at once (`train`) or as a stream of micro-batches (`begin_step`,
 `accumulate` per micro-batch, `finish_step`). Losses are summed per micro-batch and scaled once
 the step's token and sequence counts are known, so both paths give the same update.
+
+With `train.ppo_epochs` > 1 or `train.mini_batches` > 1 a step takes several optimizer updates:
+`accumulate` keeps the samples, and `finish_step` takes their old log-probs (ActorFwd's when they
+carry them, else one no-grad forward over the step in uid order, before the first update), then
+runs the epochs, one update per mini-batch. Nothing depends on the order the samples arrived in.
+The weight version still advances once per step; `optimizer_updates` counts the updates.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from rlx.algorithms.objective import finalize_metrics, loss_scale, policy_objective
 from rlx.config import AlgorithmConfig
 from rlx.data.sample import Sample
+from rlx.engines.training.batch import TokenBatch, mini_batch_rows
 from rlx.engines.training.engine import TrainingEngine
 from rlx.roles.batching import samples_to_batch
 
@@ -23,49 +32,51 @@ class Actor:
         self.pad_token_id = pad_token_id
         self._sums: dict[str, float] = {}
         self._tokens = self._sequences = 0.0
+        self._collected: list[Sample] = []  # the step's samples, when it takes several updates
 
     @property
     def version(self) -> int:
-        """Published weight version = optimizer steps taken."""
+        """Published weight version = steps finished (each may take several optimizer updates)."""
         return self.engine.step
+
+    @property
+    def _epochs(self) -> bool:
+        """Several updates per step: the streamed single update does not apply."""
+        return self.engine.config.ppo_epochs > 1 or self.engine.config.mini_batches > 1
 
     def begin_step(self) -> None:
         self.engine.begin_step()
         self._sums, self._tokens, self._sequences = {}, 0.0, 0.0
+        self._collected = []
 
     def accumulate(self, samples: list[Sample]) -> None:
-        """Forward and backward one micro-batch.
+        """Forward and backward one micro-batch (or, with PPO epochs, keep it for `finish_step`).
 
         Samples carry `ref_logprobs` when KL is on and may carry `old_logprobs` (the proximal
         policy, from ActorFwd); without them the "old" log-probs are the current ones, detached,
         which is exact for one optimizer step per batch of fresh samples.
         """
-        per_token = {"advantages": [s.token_advantages or [s.advantage] * len(s.response_ids) for s in samples]}
-        if self.config.behavior_correction != "none":
-            per_token["rollout_logprobs"] = [s.rollout_logprobs for s in samples]
-        if self.config.kl_coef > 0:
-            per_token["ref_logprobs"] = [s.ref_logprobs for s in samples]
-        if all(s.old_logprobs is not None for s in samples):
-            per_token["old_logprobs"] = [s.old_logprobs for s in samples]
-        batch = samples_to_batch(samples, self.pad_token_id, per_token)
-
-        def loss_fn(mb, logprobs, entropy):
-            fields = {k: v.to(logprobs.device) for k, v in mb.per_token.items()}
-            fields.setdefault("old_logprobs", logprobs.detach())
-            return policy_objective(logprobs, entropy, mb.response_mask.to(logprobs.device), fields, self.config,
-                                    1.0, 1.0)
-
-        metrics = self.engine.accumulate(batch, loss_fn)
-        for key, value in metrics.items():
-            self._sums[key] = self._sums.get(key, 0.0) + value
+        if self._epochs:
+            self._collected.extend(samples)
+            return
+        batch = self._batch(samples)
+        self._add(self.engine.accumulate(batch, self._loss_fn))
         self._tokens += float(batch.response_mask.sum())
         self._sequences += float(batch.size)
 
     def finish_step(self) -> dict[str, float]:
-        scale = loss_scale(self.config.aggregation, self._tokens, self._sequences)
-        metrics = finalize_metrics(self._sums, self.config.aggregation, self._tokens, self._sequences)
-        metrics.update(self.engine.finish_step(grad_scale=scale))
-        metrics.update(train_tokens=self._tokens, train_sequences=self._sequences)
+        passes = 1
+        if self._epochs:
+            self._train_epochs()
+            update = self.engine.finish_step()
+            passes = self.engine.config.ppo_epochs
+        else:
+            update = self.engine.finish_step(grad_scale=loss_scale(self.config.aggregation, self._tokens,
+                                                                   self._sequences))
+        # every epoch sees each token once: the metrics are means over all of them
+        metrics = finalize_metrics(self._sums, self.config.aggregation, self._tokens * passes,
+                                   self._sequences * passes)
+        metrics.update(update, train_tokens=self._tokens, train_sequences=self._sequences)
         return metrics
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
@@ -78,3 +89,54 @@ class Actor:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.engine.weights()
+
+    def _batch(self, samples: list[Sample]) -> TokenBatch:
+        per_token = {"advantages": [s.token_advantages or [s.advantage] * len(s.response_ids) for s in samples]}
+        if self.config.resolved_correction != "none":
+            per_token["rollout_logprobs"] = [s.rollout_logprobs for s in samples]
+        if self.config.kl_coef > 0:
+            per_token["ref_logprobs"] = [s.ref_logprobs for s in samples]
+        if all(s.old_logprobs is not None for s in samples):
+            per_token["old_logprobs"] = [s.old_logprobs for s in samples]
+        return samples_to_batch(samples, self.pad_token_id, per_token)
+
+    def _loss_fn(self, mb: TokenBatch, logprobs: torch.Tensor,
+                 entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        fields = {k: v.to(logprobs.device) for k, v in mb.per_token.items()}
+        fields.setdefault("old_logprobs", logprobs.detach())
+        return policy_objective(logprobs, entropy, mb.response_mask.to(logprobs.device), fields, self.config,
+                                1.0, 1.0)
+
+    def _add(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+
+    def _with_old_logprobs(self, samples: list[Sample]) -> list[Sample]:
+        """Copies of `samples`, each with old log-probs: ActorFwd's when it carries them, else those
+        of one no-grad forward, taken before the step's first update."""
+        missing = [s for s in samples if s.old_logprobs is None]
+        if not missing:
+            return list(samples)
+        rows = iter(self.engine.outputs(samples_to_batch(missing, self.pad_token_id)))
+        return [s if s.old_logprobs is not None
+                else dataclasses.replace(s, old_logprobs=next(rows)[: len(s.response_ids)].tolist())
+                for s in samples]
+
+    def _train_epochs(self) -> None:
+        """`ppo_epochs` passes over the collected step, in uid order; each mini-batch (fixed by uid)
+        is micro-batched and is one optimizer update, its loss scaled by its own token (or sequence)
+        count, so micro-batching never changes it."""
+        if not self._collected:
+            return
+        cfg = self.engine.config
+        samples = self._with_old_logprobs(sorted(self._collected, key=lambda s: s.uid))
+        batch = self._batch(samples)
+        self._tokens, self._sequences = float(batch.response_mask.sum()), float(batch.size)
+        minis = [batch.select(torch.tensor(rows))
+                 for rows in mini_batch_rows([s.uid for s in samples], cfg.mini_batches, cfg.seed) if rows]
+        for _ in range(cfg.ppo_epochs):
+            for mini in minis:
+                for micro_batch in mini.micro_batches(cfg.micro_batch_size):
+                    self._add(self.engine.accumulate(micro_batch, self._loss_fn))
+                self.engine.update(loss_scale(self.config.aggregation, float(mini.response_mask.sum()),
+                                              float(mini.size)))

@@ -20,17 +20,17 @@ ALGORITHMS = {
     "grpo": {},
     "dr_grpo": {"algorithm__norm_std": False, "algorithm__aggregation": "seq-mean-token-sum",
                 "algorithm__loss_horizon": 8},
-    "dapo": {"algorithm__dynamic_sampling": True, "algorithm__clip_high": 0.28, "reward__overlong_buffer": 2,
+    "dapo": {"algorithm__dynamic_sampling": True, "algorithm__loss": {"clip_high": 0.28}, "reward__overlong_buffer": 2,
              "reward__overlong_penalty": 0.1},
-    "gspo": {"algorithm__policy_loss": "gspo", "algorithm__aggregation": "seq-mean-token-mean"},
-    "sapo": {"algorithm__policy_loss": "sapo"},
-    "cispo": {"algorithm__policy_loss": "cispo"},
+    "gspo": {"algorithm__loss": {"type": "gspo"}, "algorithm__aggregation": "seq-mean-token-mean"},
+    "sapo": {"algorithm__loss": {"type": "sapo"}},
+    "cispo": {"algorithm__loss": {"type": "cispo"}},
     "rloo": {"algorithm__advantage": "rloo"},
     "reinforce_pp": {"algorithm__advantage": "reinforce_pp"},
     "reinforce_pp_baseline": {"algorithm__advantage": "reinforce_pp_baseline"},
     "ppo": {"algorithm__advantage": "gae", "algorithm__lam": 0.95, "critic__lr": 3e-3},
     "grpo_kl_entropy": {"algorithm__kl_coef": 0.05, "algorithm__kl_type": "low_var",
-                        "algorithm__entropy_coef": 0.001, "algorithm__dual_clip": 3.0},
+                        "algorithm__entropy_coef": 0.001, "algorithm__loss": {"dual_clip": 3.0}},
 }
 
 

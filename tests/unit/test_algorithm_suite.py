@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlx.algorithms import (
+    LossInputs,
     aggregate,
     cispo_loss,
     clipped_policy_loss,
@@ -19,7 +20,12 @@ from rlx.algorithms import (
     rloo_advantages,
     sapo_loss,
 )
-from rlx.config import AlgorithmConfig
+from rlx.config import AlgorithmConfig, CispoLoss, ClippedLoss, ConfigError, GspoLoss, SapoLoss, build_config
+
+
+def _inputs(logp: torch.Tensor, old: float, advantage: float) -> LossInputs:
+    """One token: its log-prob `logp` ([1, 1]), the old log-prob and the advantage."""
+    return LossInputs(logp, torch.tensor([[old]]), torch.tensor([[advantage]]), torch.ones(1, 1))
 
 
 def test_rloo_leaves_one_out():
@@ -44,7 +50,7 @@ def test_gspo_uses_one_length_normalised_ratio_per_sequence():
     # token log-ratios +0.1 and -0.1 average to 0: s = 1, loss -A on both tokens, gradient -A/2 each
     logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
     old, adv, mask = torch.tensor([[-1.1, -0.9]]), torch.full((1, 2), 2.0), torch.ones(1, 2)
-    loss, clipped = gspo_loss(logp, old, adv, mask, 3e-4, 4e-4)
+    loss, clipped = gspo_loss(LossInputs(logp, old, adv, mask), GspoLoss(clip_low=3e-4, clip_high=4e-4))
     assert loss[0].tolist() == pytest.approx([-2.0, -2.0]) and clipped.sum() == 0
     aggregate(loss, mask, "seq-mean-token-mean", 2, 1).backward()
     assert logp.grad[0].tolist() == pytest.approx([-1.0, -1.0])
@@ -53,7 +59,7 @@ def test_gspo_uses_one_length_normalised_ratio_per_sequence():
 def test_gspo_clips_the_whole_sequence():
     logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
     old, adv, mask = torch.full((1, 2), -0.5), torch.ones(1, 2), torch.ones(1, 2)  # s = e^0.5 = 1.6487
-    loss, clipped = gspo_loss(logp, old, adv, mask, 3e-4, 4e-4)
+    loss, clipped = gspo_loss(LossInputs(logp, old, adv, mask), GspoLoss(clip_low=3e-4, clip_high=4e-4))
     assert loss[0, 0].item() == pytest.approx(-1.0004) and clipped.tolist() == [[1.0, 1.0]]
     loss.sum().backward()
     assert logp.grad.abs().sum() == 0
@@ -63,13 +69,13 @@ def test_sapo_gate_value_and_gradient():
     # on-policy: gate sigma(0) = 0.5, loss = -(4 / tau) * 0.5 * A; gradient w.r.t. logp = -A whatever tau
     for tau_pos in (0.5, 1.0, 2.0):
         logp = torch.tensor([[-1.0]], requires_grad=True)
-        loss, _ = sapo_loss(logp, torch.tensor([[-1.0]]), torch.tensor([[3.0]]), tau_pos, 1.05)
+        loss, _ = sapo_loss(_inputs(logp, -1.0, 3.0), SapoLoss(tau_pos=tau_pos, tau_neg=1.05))
         assert loss.item() == pytest.approx(-2.0 * 3.0 / tau_pos)
         loss.sum().backward()
         assert logp.grad.item() == pytest.approx(-3.0)
     # off-policy r = e: sigma(e - 1) = 0.8479, weight 4 s (1 - s) = 0.5158, gradient -0.5158 * e * A
     logp = torch.tensor([[0.0]], requires_grad=True)
-    loss, weak = sapo_loss(logp, torch.tensor([[-1.0]]), torch.tensor([[1.0]]), 1.0, 1.05)
+    loss, weak = sapo_loss(_inputs(logp, -1.0, 1.0), SapoLoss(tau_pos=1.0, tau_neg=1.05))
     loss.sum().backward()
     assert logp.grad.item() == pytest.approx(-0.5158 * math.e, abs=1e-3)
     assert weak.item() == 0.0  # weight 0.52 is still above one half
@@ -77,14 +83,14 @@ def test_sapo_gate_value_and_gradient():
 
 def test_sapo_negative_advantages_use_their_own_temperature():
     logp = torch.tensor([[0.0]], requires_grad=True)
-    loss, _ = sapo_loss(logp, torch.tensor([[0.0]]), torch.tensor([[-1.0]]), 1.0, 2.0)
+    loss, _ = sapo_loss(_inputs(logp, 0.0, -1.0), SapoLoss(tau_pos=1.0, tau_neg=2.0))
     assert loss.item() == pytest.approx(4.0 / 2.0 * 0.5)  # -(4 / tau_neg) * 0.5 * (-1)
 
 
 def test_cispo_keeps_the_gradient_of_clipped_tokens():
     # r = e^0.5 = 1.6487 > 1.28: weight 1.28 (detached); loss = -1.28 * A * logp ; d/dlogp = -1.28 A
     logp = torch.tensor([[-0.5]], requires_grad=True)
-    loss, clipped = cispo_loss(logp, torch.tensor([[-1.0]]), torch.tensor([[2.0]]), 1.0, 0.28)
+    loss, clipped = cispo_loss(_inputs(logp, -1.0, 2.0), CispoLoss(clip_low=1.0, clip_high=0.28))
     assert loss.item() == pytest.approx(-1.28 * 2.0 * -0.5) and clipped.item() == 1.0
     loss.sum().backward()
     assert logp.grad.item() == pytest.approx(-1.28 * 2.0)
@@ -93,11 +99,11 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
 def test_dual_clip_bounds_negative_advantages():
     # r = 5, A = -1: PPO loss max(5, 1.28) = 5; dual clip c = 3 caps it at 3 (and its gradient is 0)
     logp = torch.tensor([[math.log(5.0)]], requires_grad=True)
-    loss, clipped = clipped_policy_loss(logp, torch.zeros(1, 1), torch.tensor([[-1.0]]), 0.2, 0.28, dual_clip=3.0)
+    loss, clipped = clipped_policy_loss(_inputs(logp, 0.0, -1.0), ClippedLoss(clip_high=0.28, dual_clip=3.0))
     assert loss.item() == pytest.approx(3.0) and clipped.item() == 1.0
     loss.sum().backward()
     assert logp.grad.item() == 0.0
-    plain, _ = clipped_policy_loss(logp, torch.zeros(1, 1), torch.tensor([[-1.0]]), 0.2, 0.28)
+    plain, _ = clipped_policy_loss(_inputs(logp, 0.0, -1.0), ClippedLoss(clip_high=0.28))
     assert plain.item() == pytest.approx(5.0)
 
 
@@ -118,9 +124,34 @@ def test_every_registered_loss_runs_through_the_objective(loss):
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     fields = {"old_logprobs": torch.tensor([[-1.0, -2.0]]), "advantages": torch.full((1, 2), 1.0)}
     total, metrics = policy_objective(logp, torch.ones(1, 2), torch.ones(1, 2), fields,
-                                      AlgorithmConfig(policy_loss=loss), 2, 1)
+                                      AlgorithmConfig(loss={"type": loss}), 2, 1)
     total.backward()
     assert logp.grad is not None and logp.grad.abs().sum() > 0 and "clip_fraction" in metrics
+
+
+def test_a_user_registered_loss_is_selected_by_module_and_name():
+    # tests.unit.loss_plugin registers scaled_pg (-scale * A * logp) when imported by the config check.
+    # logp [-1, -2], A [1, 1], scale 0.5: per token [0.5, 1.0]; token-mean 0.75; gradient -0.5 * A / 2 = -0.25
+    config = build_config({"algorithm": {"loss": {"type": "custom", "name": "tests.unit.loss_plugin:scaled_pg",
+                                                  "options": {"scale": 0.5}}}}).algorithm
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    fields = {"old_logprobs": logp.detach(), "advantages": torch.ones(1, 2)}
+    total, metrics = policy_objective(logp, torch.ones(1, 2), torch.ones(1, 2), fields, config, 2, 1)
+    assert total.item() == pytest.approx(0.75) and metrics["clip_fraction"] == 0.0
+    total.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-0.25, -0.25])
+
+
+@pytest.mark.parametrize("name,fragments", [
+    ("tests.unit.loss_plugin:nope", ["algorithm.loss.name", "no policy loss 'nope'", "scaled_pg"]),
+    ("no_such_module:scaled_pg", ["algorithm.loss.name", "cannot import module 'no_such_module'"]),
+    ("clipped", ["algorithm.loss.name", "set algorithm.loss.type=clipped"]),
+])
+def test_a_bad_custom_loss_name_says_what_to_fix(name, fragments):
+    with pytest.raises(ConfigError) as error:
+        build_config({"algorithm": {"loss": {"type": "custom", "name": name}}})
+    for fragment in fragments:
+        assert fragment in str(error.value), (fragment, str(error.value))
 
 
 def test_overlong_penalty_ramps_down_to_the_cap():

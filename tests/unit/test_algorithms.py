@@ -10,13 +10,15 @@ import torch
 from rlx.algorithms import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
+    LossInputs,
     aggregate,
     clipped_policy_loss,
     grpo_advantages,
     kl_estimate,
     policy_objective,
 )
-from rlx.config import AlgorithmConfig
+from rlx.algorithms.objective import truncated_importance_weight
+from rlx.config import AlgorithmConfig, ClippedLoss
 from rlx.registry import Registry
 
 EPS = 1e-6
@@ -91,6 +93,10 @@ def _ratios_to_logprobs(ratios, old):
     return old + torch.log(torch.tensor(ratios))
 
 
+def _clipped(logp, old, adv, **knobs):
+    return clipped_policy_loss(LossInputs(logp, old, adv, torch.ones_like(adv)), ClippedLoss(**knobs))
+
+
 def test_clipped_loss_hand_values_with_clip_higher():
     # clip_low = 0.2 (lower bound 0.8), clip_high = 0.28 (upper bound 1.28)
     # ratio  A   unclipped  clipped      min    loss  clipped-branch
@@ -105,7 +111,7 @@ def test_clipped_loss_hand_values_with_clip_higher():
     adv = torch.tensor([2.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
     old = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.5, -0.1, -2.2])
     logp = _ratios_to_logprobs(ratios, old)
-    loss, clipped = clipped_policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28)
+    loss, clipped = _clipped(logp, old, adv, clip_low=0.2, clip_high=0.28)
     torch.testing.assert_close(loss, torch.tensor([-2.2, -1.25, -1.28, -0.7, 0.8, 1.5, 0.9]), atol=1e-5, rtol=0)
     torch.testing.assert_close(clipped, torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0]))
     assert clipped.dtype == torch.float32
@@ -116,14 +122,14 @@ def test_clip_higher_asymmetry_vs_symmetric():
     old = torch.zeros(1)
     logp = _ratios_to_logprobs([1.25], old)
     adv = torch.ones(1)
-    sym_loss, sym_clipped = clipped_policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.2)
-    asym_loss, asym_clipped = clipped_policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28)
+    sym_loss, sym_clipped = _clipped(logp, old, adv, clip_low=0.2, clip_high=0.2)
+    asym_loss, asym_clipped = _clipped(logp, old, adv, clip_low=0.2, clip_high=0.28)
     torch.testing.assert_close(sym_loss, torch.tensor([-1.2]))
     assert sym_clipped.item() == 1.0
     torch.testing.assert_close(asym_loss, torch.tensor([-1.25]))
     assert asym_clipped.item() == 0.0
     # the lower bound uses clip_low, not clip_high: ratio .75 with A=-1 -> clipped at .8 -> loss .8
-    low_loss, low_clipped = clipped_policy_loss(
+    low_loss, low_clipped = _clipped(
         _ratios_to_logprobs([0.75], old), old, -adv, clip_low=0.2, clip_high=0.28
     )
     torch.testing.assert_close(low_loss, torch.tensor([0.8]))
@@ -136,7 +142,7 @@ def test_clipped_loss_gradient_is_zero_where_clipped():
     adv = torch.tensor([2.0, 1.0, 1.0, 1.0, -1.0, -1.0])
     old = torch.zeros(6)
     logp = _ratios_to_logprobs(ratios, old).requires_grad_(True)
-    loss, clipped = clipped_policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28)
+    loss, clipped = _clipped(logp, old, adv, clip_low=0.2, clip_high=0.28)
     loss.sum().backward()
     expected = torch.tensor([-2.2, -1.25, 0.0, -0.7, 0.0, 1.5])
     torch.testing.assert_close(logp.grad, expected, atol=1e-5, rtol=0)
@@ -147,7 +153,7 @@ def test_clipped_loss_gradient_is_zero_where_clipped():
 def test_clipped_loss_ratio_one_is_minus_advantage():
     adv = torch.tensor([[0.3, -1.7], [2.0, 0.0]])
     lp = torch.randn(2, 2)
-    loss, clipped = clipped_policy_loss(lp, lp.clone(), adv, clip_low=0.2, clip_high=0.28)
+    loss, clipped = _clipped(lp, lp.clone(), adv, clip_low=0.2, clip_high=0.28)
     torch.testing.assert_close(loss, -adv)
     assert clipped.sum() == 0
 
@@ -280,6 +286,75 @@ def test_policy_objective_without_kl_needs_no_reference():
     assert metrics["clip_fraction"] == pytest.approx(0.5)
     assert metrics["ratio_mean"] == pytest.approx(1.5, abs=1e-5)
     assert metrics["entropy"] == pytest.approx(1.0)  # reported even when its coefficient is 0
+
+
+# --------------------------------------------------------------------------- off-policy corrections
+
+
+def test_truncated_importance_weight_by_hand():
+    # log pi - log mu = [0.5, -1.0, 1.5] -> pi/mu = [e^0.5, e^-1, e^1.5] = [1.648721, 0.367879, 4.481689]
+    # cap 2 truncates only the last: [1.648721, 0.367879, 2.0]
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    behavior = torch.tensor([[-1.5, -1.0, -2.0]])
+    weight = truncated_importance_weight(logp, behavior, cap=2.0)
+    torch.testing.assert_close(weight, torch.tensor([[1.648721, 0.367879, 2.0]]), atol=1e-6, rtol=0)
+    assert not weight.requires_grad  # a weight, never a path for the gradient
+    # a cap of 1 keeps only down-weighting
+    torch.testing.assert_close(truncated_importance_weight(logp, behavior, cap=1.0),
+                               torch.tensor([[1.0, 0.367879, 1.0]]), atol=1e-6, rtol=0)
+
+
+def _tis_case():
+    """Three on-policy tokens (ratio 1), advantages [1, -2, 1], rollout log-probs giving
+    pi/mu = [e^0.5, e^-1, e^1.5]."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    fields = {"old_logprobs": logp.detach().clone(), "advantages": torch.tensor([[1.0, -2.0, 1.0]]),
+              "rollout_logprobs": torch.tensor([[-1.5, -1.0, -2.0]])}
+    return logp, fields
+
+
+def test_policy_objective_with_tis_weights_each_token():
+    # ratio 1 -> clipped loss per token = -A = [-1, 2, -1]
+    # weights min(pi/mu, 2) = [1.648721, 0.367879, 2.0] (the last one capped)
+    # per token -A w = [-1.648721, 0.735759, -2.0]; token-mean over 3 = -2.912962 / 3 = -0.970987
+    logp, fields = _tis_case()
+    config = AlgorithmConfig(behavior_correction="tis", tis_cap=2.0)
+    loss, metrics = policy_objective(logp, torch.zeros(1, 3), torch.ones(1, 3), fields, config, 3, 1)
+    assert loss.item() == pytest.approx(-0.970987, abs=1e-6)
+    assert metrics["behavior_weight_mean"] == pytest.approx((1.648721 + 0.367879 + 2.0) / 3, abs=1e-6)
+    loss.backward()
+    # d/dlogp (-A r w / 3) with r = exp(logp - old), dr/dlogp = r = 1 and w detached: -A w / 3
+    # = [-0.549574, 0.245253, -0.666667]. Were w not detached, token 0 would get twice that
+    # (d(r w)/dlogp = 2 r w), and the capped token 2 would keep -2/3.
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.549574, 0.245253, -0.666667]]), atol=1e-6, rtol=0)
+
+
+def test_policy_objective_with_decoupled_weights_by_the_proximal_policy():
+    # PPO ratio against the proximal policy: r = pi / pi_prox = [1.1, 1.5]; A = [1, 1], clip_high 0.28
+    #   token 0: min(1.1, 1.1) = 1.1 -> loss -1.1, gradient -r A = -1.1
+    #   token 1: min(1.5, 1.28) = 1.28 (clipped) -> loss -1.28, gradient 0
+    # weight min(pi_prox / mu, 2): mu = pi_prox + ln 2 -> 0.5 ; mu = pi_prox - ln 3 -> 3, capped at 2
+    # per token [-0.55, -2.56]; token-mean over 2 = -1.555; gradient [-1.1 * 0.5 / 2, 0] = [-0.275, 0]
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    prox = torch.tensor([[-1.0 - math.log(1.1), -1.0 - math.log(1.5)]])
+    fields = {"old_logprobs": prox, "advantages": torch.ones(1, 2),
+              "rollout_logprobs": prox + torch.tensor([[math.log(2.0), -math.log(3.0)]])}
+    config = AlgorithmConfig(behavior_correction="decoupled", tis_cap=2.0, loss={"clip_high": 0.28})
+    loss, metrics = policy_objective(logp, torch.zeros(1, 2), torch.ones(1, 2), fields, config, 2, 1)
+    assert loss.item() == pytest.approx(-1.555, abs=1e-5)
+    assert metrics["clip_fraction"] == pytest.approx(0.5)
+    assert metrics["behavior_weight_mean"] == pytest.approx(1.25, abs=1e-6)  # (0.5 + 2) / 2
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.275, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_no_correction_ignores_the_rollout_logprobs():
+    # same case as the TIS test without a correction: -A token-mean = (-1 + 2 - 1) / 3 = 0
+    logp, fields = _tis_case()
+    loss, metrics = policy_objective(logp, torch.zeros(1, 3), torch.ones(1, 3), fields,
+                                     AlgorithmConfig(behavior_correction="none"), 3, 1)
+    assert loss.item() == pytest.approx(0.0, abs=1e-6)
+    assert "behavior_weight_mean" not in metrics
 
 
 # ------------------------------------------------------------------------------------- registries

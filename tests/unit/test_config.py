@@ -5,7 +5,19 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from rlx.config import ConfigError, RunConfig, apply_overrides, build_config, load_config
+from rlx.config import (
+    ClippedLoss,
+    ConfigError,
+    GspoLoss,
+    RunConfig,
+    SapoLoss,
+    TrainConfig,
+    apply_overrides,
+    auto_correction,
+    build_config,
+    config_warnings,
+    load_config,
+)
 from rlx.errors import UserError
 
 
@@ -15,7 +27,8 @@ def test_defaults_build():
     assert load_config(None) == config
     assert config.train.lr == 1e-5
     assert config.algorithm.advantage == "grpo"
-    assert config.algorithm.clip_low == 0.2 and config.algorithm.clip_high == 0.28
+    assert config.algorithm.loss.type == "clipped"
+    assert config.algorithm.loss.clip_low == 0.2 and config.algorithm.loss.clip_high == 0.28
     assert config.data.source == "reasoning_gym"
     assert config.rollout.n == 8
     assert str(config.run_dir) == "runs/run"
@@ -180,8 +193,9 @@ def test_to_yaml_round_trip():
     ({"rollout": {"n": 1}}, "rollout.n>=2"),
     ({"algorithm": {"dynamic_sampling": True, "advantage": "reinforce_pp"}}, "group-relative"),
     ({"algorithm": {"advantage": "grpo"}, "critic": {"path": "x"}}, "algorithm.advantage=gae"),
-    ({"algorithm": {"advantage": "gae", "policy_loss": "gspo"}}, "policy_loss=clipped"),
-    ({"algorithm": {"policy_loss": "gspo"}}, "aggregation=seq-mean-token-mean"),
+    ({"algorithm": {"advantage": "gae", "loss": {"type": "gspo"}}}, "algorithm.loss.type=clipped"),
+    ({"algorithm": {"loss": {"type": "gspo"}}}, "aggregation=seq-mean-token-mean"),
+    ({"train": {"reduce_dtype": "bfloat16"}}, "set train.reduce_dtype=float32"),
     ({"reward": {"scope": "group"}}, "reward.scope=sample"),
     ({"algorithm": {"kl_reference_refresh_every": 4}}, "set kl_coef>0"),
     ({"rollout": {"autoscale": {"enabled": True}}}, "set train.mode=async"),
@@ -218,3 +232,124 @@ def test_the_rollout_starts_within_the_autoscalers_range():
     assert build_config({**scaled, "resources": {"rollout": {"replicas": 3}}}).initial_rollout_replicas == 3
     assert build_config({"train": {"mode": "async"}, "resources": {"rollout": {"replicas": 4}}}
                         ).initial_rollout_replicas == 4
+
+
+# ------------------------------------------------------------------------------- loss sections
+
+
+def test_each_loss_has_its_own_section_chosen_by_type():
+    gspo = load_config(None, ["algorithm.loss.type=gspo", "algorithm.aggregation=seq-mean-token-mean"])
+    assert isinstance(gspo.algorithm.loss, GspoLoss)
+    assert (gspo.algorithm.loss.clip_low, gspo.algorithm.loss.clip_high) == (3e-4, 4e-4)  # GSPO's own defaults
+    sapo = load_config(None, ["algorithm.loss={type: sapo, tau_neg: 2.0}"])
+    assert isinstance(sapo.algorithm.loss, SapoLoss) and sapo.algorithm.loss.tau_neg == 2.0
+    # a section without `type` tunes the default clipped loss
+    clipped = load_config(None, ["algorithm.loss.clip_high=0.2", "algorithm.loss.dual_clip=3"])
+    assert clipped.algorithm.loss == ClippedLoss(clip_high=0.2, dual_clip=3.0)
+    assert build_config(yaml.safe_load(sapo.to_yaml())) == sapo
+
+
+@pytest.mark.parametrize("override,message", [
+    ("algorithm.policy_loss=gspo", "algorithm.policy_loss moved to algorithm.loss.type"),
+    ("algorithm.clip_high=0.2",
+     "algorithm.clip_high moved to algorithm.loss.clip_high (with algorithm.loss.type=clipped, the default)"),
+    ("algorithm.dual_clip=3", "algorithm.dual_clip moved to algorithm.loss.dual_clip"),
+    ("algorithm.gspo_clip_low=0.1",
+     "algorithm.gspo_clip_low moved to algorithm.loss.clip_low (with algorithm.loss.type=gspo)"),
+    ("algorithm.sapo_tau_neg=2",
+     "algorithm.sapo_tau_neg moved to algorithm.loss.tau_neg (with algorithm.loss.type=sapo)"),
+    ("algorithm.cispo_clip_high=0.3",
+     "algorithm.cispo_clip_high moved to algorithm.loss.clip_high (with algorithm.loss.type=cispo)"),
+    ("model.dtype=bfloat16", "model.dtype moved to rollout.dtype (generation) and train.param_dtype"),
+    ("train.autocast_bf16=true", "train.autocast_bf16 moved to train.param_dtype"),
+])
+def test_moved_keys_name_their_new_place(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("override,fragments", [
+    ("algorithm.loss.tau_pos=2", ["unknown key 'algorithm.loss.tau_pos'", "a key of algorithm.loss.type=sapo",
+                                  "Allowed here: type, clip_low, clip_high, dual_clip"]),
+    ("algorithm.loss.clip_hi=0.3", ["Did you mean 'algorithm.loss.clip_high'?"]),
+    ("algorithm.loss.clip_low=2", ["algorithm.loss.clip_low = 2", "less than or equal to 1"]),
+    ("algorithm.loss.type=ppo", ["algorithm.loss.type='ppo' is not one of clipped, gspo, sapo, cispo, custom",
+                                 "algorithm.loss.type=custom algorithm.loss.name=module:name"]),
+])
+def test_bad_loss_keys_are_named_as_users_write_them(override, fragments):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    for fragment in fragments:
+        assert fragment in str(error.value), (fragment, str(error.value))
+
+
+# ---------------------------------------------------------------------- precision and correction
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ({}, "none"),
+    ({"train": {"mode": "async", "max_staleness": 1}}, "decoupled"),
+    ({"train": {"mode": "async", "max_staleness": 2}, "rollout": {"engine": "vllm"}}, "decoupled"),
+    ({"train": {"mode": "colocate", "max_staleness": 2}}, "none"),  # colocated steps train on current weights
+    ({"train": {"mode": "async"}}, "none"),
+    ({"rollout": {"engine": "vllm"}}, "tis"),
+    ({"rollout": {"engine": "sglang"}}, "tis"),
+    ({"rollout": {"dtype": "bfloat16"}}, "tis"),
+    ({"train": {"param_dtype": "bfloat16"}}, "tis"),
+    ({"rollout": {"dtype": "bfloat16"}, "train": {"param_dtype": "bfloat16"}}, "none"),
+    ({"reward": {"judge": {"dtype": "bfloat16"}}}, "none"),  # the judge's dtype is not the behaviour policy's
+    ({"algorithm": {"behavior_correction": "none"}, "train": {"mode": "async", "max_staleness": 2}}, "none"),
+    ({"algorithm": {"behavior_correction": "tis"}}, "tis"),
+    ({"algorithm": {"behavior_correction": "decoupled"}}, "decoupled"),
+])
+def test_auto_behavior_correction_resolution_table(raw, expected):
+    config = build_config(raw)
+    assert config.algorithm.resolved_correction == expected
+    assert auto_correction(config)[0] == expected
+    assert config.algorithm.behavior_correction == raw.get("algorithm", {}).get("behavior_correction", "auto")
+    # the YAML keeps what was asked for, and resolves the same way when read back
+    again = build_config(yaml.safe_load(config.to_yaml()))
+    assert again.algorithm.behavior_correction == config.algorithm.behavior_correction
+    assert again.algorithm.resolved_correction == expected
+
+
+def test_the_actor_fwd_role_follows_the_resolved_correction():
+    from rlx.orchestration.plan import _uses_actor_fwd
+
+    assert _uses_actor_fwd(build_config({"train": {"mode": "async", "max_staleness": 1}}))
+    assert not _uses_actor_fwd(build_config({"train": {"mode": "async", "max_staleness": 1},
+                                             "algorithm": {"behavior_correction": "tis"}}))
+
+
+def test_precision_keys_and_warnings():
+    config = build_config({"train": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}})
+    assert config.train.bf16_autocast and not TrainConfig().bf16_autocast
+    assert config_warnings(config) == [
+        "train.reduce_dtype=bfloat16 has no effect: the trainer is one process and accumulates gradients in float32"]
+    assert config_warnings(RunConfig()) == []
+    stale = build_config({"train": {"mode": "async", "max_staleness": 3}, "algorithm": {"behavior_correction": "none"}})
+    assert "algorithm.behavior_correction=none with train.max_staleness=3" in config_warnings(stale)[0]
+
+
+@pytest.mark.parametrize("overrides,lines", [
+    (["train.mode=async", "train.max_staleness=2", "algorithm.behavior_correction=none"],
+     ["# algorithm.behavior_correction=none -> none (set explicitly)",
+      "# warning: algorithm.behavior_correction=none with train.max_staleness=2"]),
+    (["rollout.dtype=bfloat16"],
+     ["# algorithm.behavior_correction=auto -> tis",
+      "(rollout.dtype=bfloat16 differs from the trainer's train.param_dtype=float32)"]),
+    (["train.mode=async", "train.max_staleness=1"],
+     ["# algorithm.behavior_correction=auto -> decoupled",
+      "(train.max_staleness=1: samples may come from older weights)"]),
+])
+def test_doctor_prints_the_resolved_correction_and_warnings(overrides, lines, capsys):
+    from rlx.cli import main
+
+    assert main(["doctor", *overrides]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["algorithm"]["behavior_correction"] in ("auto", "none")
+    for line in lines:
+        assert line in err, (line, err)
+    assert err.rstrip().endswith("# config OK")
+    assert ("# warning:" in err) == any("warning" in line for line in lines)

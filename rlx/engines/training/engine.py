@@ -3,20 +3,24 @@
 It knows nothing about RL. A step is `begin_step`, one `accumulate` per micro-batch (as they
 arrive: the caller may stream them), then `finish_step(grad_scale)`. Losses are sums over the
 micro-batch; `grad_scale` divides by the step's global token (or sequence) count once it is known,
-so the update is the same whatever the micro-batch size or arrival order.
+so the update is the same whatever the micro-batch size or arrival order. A step may also take
+several optimizer updates (PPO epochs, mini-batches): `update(grad_scale)` after each one's
+micro-batches, then `finish_step()`. `step` counts finished steps (published weight versions),
+`updates` the optimizer updates; an update whose loss or gradient is not finite is skipped.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import shutil
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from rlx.checkpoints import staged_checkpoint
 from rlx.config import TrainConfig
 from rlx.engines.training.batch import TokenBatch
 from rlx.engines.training.forward import token_logprobs
@@ -48,42 +52,82 @@ class TrainingEngine:
             self.optimizer,
             lambda step: lr_multiplier(step, config.warmup_steps, config.steps, config.lr_schedule),
         )
-        self.step = 0
+        self.step = 0  # finished steps: the weight version the trainer publishes next
+        self.updates = 0  # optimizer updates taken, over the run
+        self.nonfinite_skipped = 0  # updates skipped for a non-finite loss or gradient, over the run
+        self._pending = False  # gradients accumulated since the last update
+        self._finite = True  # every loss accumulated since the last update was finite
+        self._norms: list[float] = []  # gradient norms of this step's updates
+        self._skipped = 0  # this step's skipped updates
 
     @torch.no_grad()
     def outputs(self, batch: TokenBatch) -> torch.Tensor:
-        """The forward's per-response-token output (log-probs or values), no gradient."""
+        """The forward's per-response-token output (log-probs or values), no gradient; the model's
+        train/eval mode is restored, since this may run mid-step (the old log-probs of PPO epochs)."""
+        training = self.model.training
         self.model.eval()
         parts = [
-            self.forward(self.model, mb, bf16=self.config.autocast_bf16)[0].cpu()
+            self.forward(self.model, mb, bf16=self.config.bf16_autocast)[0].cpu()
             for mb in batch.micro_batches(self.config.micro_batch_size)
         ]
+        self.model.train(training)
         width = batch.response_width
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
     def begin_step(self) -> None:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self._pending, self._finite, self._norms, self._skipped = False, True, [], 0
 
     def accumulate(self, micro_batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
-        """Forward and backward one micro-batch; gradients add up until `finish_step`."""
-        outputs, entropy = self.forward(self.model, micro_batch, with_entropy=True, bf16=self.config.autocast_bf16)
+        """Forward and backward one micro-batch; gradients add up until the next update.
+
+        The last update's gradients are dropped only here, so they stay readable after a step."""
+        if not self._pending:
+            self.optimizer.zero_grad(set_to_none=True)
+        outputs, entropy = self.forward(self.model, micro_batch, with_entropy=True, bf16=self.config.bf16_autocast)
         loss, metrics = loss_fn(micro_batch, outputs, entropy)
+        self._finite = self._finite and bool(torch.isfinite(loss.detach()))
         loss.backward()
+        self._pending = True
         return metrics
 
-    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
-        """Scale the accumulated gradients, clip, and take the optimizer step."""
+    def update(self, grad_scale: float = 1.0) -> None:
+        """One optimizer update from the gradients accumulated since the last: scaled, clipped, stepped.
+
+        A non-finite loss or gradient norm skips it: the gradients are dropped and the weights and
+        optimizer state stay the previous, finite ones (the update is counted, never applied)."""
         if grad_scale != 1.0:
             for param in self.model.parameters():
                 if param.grad is not None:
                     param.grad.mul_(grad_scale)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+        self._pending = False
+        if self._finite and math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.updates += 1
+            self._norms.append(grad_norm)
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self._finite = True
+        self._skipped += 1
+        self.nonfinite_skipped += 1
+
+    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        """End the step: take the update of the gradients accumulated since the last `update` (a
+        streamed step's only one), then advance the lr schedule and the version once.
+
+        The version advances even when every update was skipped: it counts steps, so the schedule,
+        the staleness gate and checkpoints stay aligned, and what is published under it is the
+        previous version's finite weights."""
+        if self._pending:
+            self.update(grad_scale)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return {"lr": lr, "grad_norm": float(grad_norm)}
+        return {"lr": lr, "grad_norm": sum(self._norms) / max(len(self._norms), 1),
+                "optimizer_updates": float(len(self._norms)), "nonfinite_skipped": float(self._skipped),
+                "nonfinite_skipped_total": float(self.nonfinite_skipped)}
 
     def train_step(self, batch: TokenBatch, loss_fn: LossFn, grad_scale: float = 1.0) -> dict[str, float]:
         """One optimizer step over a batch that is all here, accumulated over micro-batches."""
@@ -99,24 +143,24 @@ class TrainingEngine:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def save_checkpoint(self, directory: Path, extra_state: dict, extra_files: dict[str, bytes] | None = None) -> Path:
-        """Write model (as a HF folder), optimizer, state and `extra_files`; atomic via a staging folder."""
-        staging = directory.with_name(directory.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        try:
-            self.export(staging)
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                       staging / "optimizer.pt")
-            (staging / "trainer_state.json").write_text(json.dumps({"step": self.step, **extra_state}, indent=2))
-            for name, content in (extra_files or {}).items():
-                (staging / name).write_bytes(content)
-        except OSError as exc:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise OSError(f"could not write checkpoint {directory}: {exc} (free disk space or set logging.run_dir)") from exc
-        shutil.rmtree(directory, ignore_errors=True)
-        staging.rename(directory)
+        """This engine alone as one checkpoint (see `rlx.checkpoints`): complete or absent, never half."""
+        with staged_checkpoint(directory) as staging:
+            self.write_checkpoint(staging, extra_state, extra_files)
         return directory
 
+    def write_checkpoint(self, folder: Path, extra_state: dict, extra_files: dict[str, bytes] | None = None) -> None:
+        """Model (a HF folder), optimizer, state and `extra_files` into `folder`, which the caller
+        makes durable and marks complete; several engines may share one checkpoint this way."""
+        self.export(folder)
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                   folder / "optimizer.pt")
+        (folder / "trainer_state.json").write_text(json.dumps({"step": self.step, **extra_state}, indent=2))
+        for name, content in (extra_files or {}).items():
+            (folder / name).write_bytes(content)
+
     def load_checkpoint(self, directory: Path) -> dict:
+        """Restore model, optimizer and step; returns the rest of the trainer state. Reads data only:
+        safetensors, JSON, and the optimizer with `weights_only=True` (no pickled code runs)."""
         from safetensors.torch import load_file
 
         state = load_file(directory / "model.safetensors")
@@ -124,7 +168,7 @@ class TrainingEngine:
         tied = {k for k in missing if k == "lm_head.weight" and self.model.config.tie_word_embeddings}
         if set(missing) - tied or unexpected:
             raise ValueError(f"checkpoint {directory} does not match the model: missing={missing} unexpected={unexpected}")
-        optim = torch.load(directory / "optimizer.pt", weights_only=False)
+        optim = torch.load(directory / "optimizer.pt", weights_only=True)
         self.optimizer.load_state_dict(optim["optimizer"])
         self.scheduler.load_state_dict(optim["scheduler"])
         state = json.loads((directory / "trainer_state.json").read_text())

@@ -1,0 +1,15 @@
+"""A user's policy loss, registered on import: `algorithm.loss.name=tests.unit.loss_plugin:scaled_pg`."""
+
+from __future__ import annotations
+
+import torch
+
+from rlx.algorithms import POLICY_LOSSES, LossInputs, LossTerms
+from rlx.config import CustomLoss
+
+
+@POLICY_LOSSES.register("scaled_pg")
+def scaled_pg(x: LossInputs, config: CustomLoss) -> LossTerms:
+    """Plain policy gradient, -scale * A * log pi, with `scale` from algorithm.loss.options."""
+    loss = -config.options.get("scale", 1.0) * x.advantages * x.logprobs
+    return LossTerms(loss, torch.zeros_like(loss))
