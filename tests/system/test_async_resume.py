@@ -5,7 +5,6 @@ or trained twice. The run is PPO, so its Critic resumes too, from its own checkp
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 from rlx.obs.metrics import read_metrics
 from rlx.orchestration.async_run import run_async
 from rlx.orchestration.run_dir import latest_checkpoint
+from rlx.run_state import load_run_state
 from tests.integration.test_colocate_loop import toy_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ def test_sigkill_then_resume_loses_and_repeats_nothing(tiny_path, tmp_path):
 
     final = latest_checkpoint(run_dir)
     assert final.name == "step_000060" and int(killed_at.name.split("_")[1]) < 60
-    counts = pickle.loads((final / "run_state.pkl").read_bytes())["samples_per_group"]
+    counts = load_run_state(final)["samples_per_group"]
     n = config.rollout.n
     assert max(counts.values()) <= n  # no sample trained twice, across the crash
     assert sum(counts.values()) == 60 * 16  # every step trained on exactly its 16 rows

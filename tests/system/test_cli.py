@@ -10,12 +10,17 @@ from pathlib import Path
 import yaml
 from transformers import AutoModelForCausalLM
 
+from rlx.checkpoints import exportable
+from rlx.config import TrainConfig
+from rlx.engines.training.engine import TrainingEngine
+from rlx.models import load_pretrained
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def rlx(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "rlx.cli", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "rlx.cli", *map(str, args)], check=False, cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_doctor_prints_resolved_config_with_overrides():
@@ -71,9 +76,27 @@ def test_train_export_and_plot_from_the_command_line(tmp_path, tiny_path):
     exported = tmp_path / "hf"
     assert rlx("export", run_dir, exported).returncode == 0
     assert AutoModelForCausalLM.from_pretrained(exported).config.vocab_size > 0
-    assert not (exported / "optimizer.pt").exists()
+    assert all(exportable(p.name) for p in exported.iterdir()) and not (exported / "optimizer.pt").exists()
     (run_dir / "training.png").unlink()
     assert rlx("plot", run_dir).returncode == 0 and (run_dir / "training.png").exists()
+
+
+def test_an_old_run_directory_names_the_converter_which_converts_it(tmp_path, tiny_path):
+    """A run directory as an older rlx left it: no completion markers, no .rlx-run."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"model:\n  path: {tiny_path}\n")
+    model, tokenizer = load_pretrained(tiny_path)
+    TrainingEngine(model, tokenizer, TrainConfig(), 1.0).write_checkpoint(run_dir / "checkpoints/step_000003",
+                                                                         {"loop_step": 3})
+    refused = rlx("export", run_dir, tmp_path / "hf")
+    assert refused.returncode == 2 and f"rlx convert-run {run_dir}" in refused.stderr
+    overwrite = rlx("train", f"logging.run_dir={run_dir}", "--overwrite")
+    assert overwrite.returncode == 2 and "rlx did not create it" in overwrite.stderr
+    assert "TRUSTING THEM" in rlx("convert-run", "--help").stdout
+    converted = rlx("convert-run", run_dir)
+    assert converted.returncode == 0 and "step_000003" in converted.stdout, converted.stderr
+    assert rlx("export", run_dir, tmp_path / "hf").returncode == 0 and (tmp_path / "hf/model.safetensors").exists()
 
 
 def test_models_list_shows_builtins():
