@@ -20,7 +20,6 @@ import ray
 from rlx.config import RunConfig
 from rlx.data import load_splits
 from rlx.engines.generation.base import SamplingParams
-from rlx.errors import ConfigError
 from rlx.models import load_tokenizer
 from rlx.obs import Alerts, MetricsWriter, plot_run
 from rlx.orchestration.api import ApiServer, ScaleInProgress, ScaleRefused, ScaleTimedOut
@@ -35,6 +34,7 @@ from rlx.orchestration.builder import (
 )
 from rlx.orchestration.controller import Controller
 from rlx.orchestration.evaluation import evaluate
+from rlx.orchestration.faults import DriverFaults
 from rlx.orchestration.health import HealthManager
 from rlx.orchestration.plan import build_plan
 from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
@@ -61,19 +61,13 @@ class DriverEvaluator:
         return {**metrics, "eval_weight_version": float(self.rollout.engine.weight_version)}
 
 
-def check_faults(config: RunConfig) -> None:
-    roles = [*build_plan(config).role_names, "dcs"]  # the weight coordinator can be killed or hung too
-    for fault in config.faults:
-        if fault.role not in roles:
-            raise ConfigError(f"faults: role {fault.role!r} is not part of this run; its roles are {', '.join(roles)}")
-
-
 class AsyncRun:
     """One async run, and the RunControl the management API drives."""
 
-    def __init__(self, config: RunConfig, run_dir: Path, echo: Callable[[str], None], alerts: Alerts) -> None:
+    def __init__(self, config: RunConfig, run_dir: Path, echo: Callable[[str], None], alerts: Alerts,
+                 faults: DriverFaults) -> None:
         self.config, self.run_dir, self.echo, self.alerts = config, run_dir, echo, alerts
-        self.controller = Controller(config, echo)
+        self.controller, self.faults = Controller(config, echo), faults
         self.step = 0
         self.stop_requested = threading.Event()
         self.rollbacks: list = []  # global recoveries seen so far: (lost version, restored version)
@@ -214,10 +208,8 @@ class AsyncRun:
             self.autoscaler = Autoscaler(r.autoscale, (t.max_staleness + 1) * r.prompts_per_step * r.n,
                                          time.monotonic())
         self.echo(f"management API on {api.url} (token in {self.run_dir / 'api_token'})")
-        pending_faults, critic_steps = [f for f in cfg.faults if f.role != "actor"], []
-        for fault in cfg.faults:  # the trainer fires these itself, at its own step
-            if fault.role == "actor":
-                c.call_service("actor", "schedule_fault", fault.kind, fault.at_step)
+        critic_steps: list[dict[str, float]] = []
+        self.faults.arm_actor(c.call_service)
         try:
             while self.step < t.steps and not self.stop_requested.is_set():
                 time.sleep(POLL_S)
@@ -241,14 +233,8 @@ class AsyncRun:
                     if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                         metrics.update(evaluator())
                     writer.write(self.step, metrics)
-                for fault in [f for f in pending_faults if f.at_step <= self.step]:
-                    pending_faults.remove(fault)
-                    self.echo(f"injecting fault: {fault.kind} {fault.role} after step {self.step}")
-                    if fault.role == "dcs":
-                        c.weights.inject_fault(fault.kind)
-                    else:
-                        c.call_service(fault.role, "inject_fault", fault.kind)
-                    self.health.fault_injected(fault.role)
+                self.faults.fire_due(self.step, c.call_service, c.weights.inject_fault, self.health.fault_injected,
+                                     self.echo)
                 if t.time_budget_s is not None and time.perf_counter() - started > t.time_budget_s:
                     self.echo(f"time budget of {t.time_budget_s:.0f}s reached after {self.step} steps")
                     break
@@ -274,7 +260,7 @@ class AsyncRun:
 
 def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
               echo: Callable[[str], None] = print) -> Path:
-    check_faults(config)
+    faults = DriverFaults(config, build_plan(config))  # a fault for a role the run lacks fails here
     run_dir = prepare_run_dir(config, resume, overwrite)
     # bad data, a prompt over data.max_prompt_tokens or a reward that cannot load stop the run before any service
     load_splits(config.data, load_tokenizer(model_path(config)))
@@ -282,7 +268,7 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
     prepare_process(config)
     alerts = Alerts(config.logging.alerts, config.logging.name)
     started = time.perf_counter()
-    run = AsyncRun(config, run_dir, echo, alerts)
+    run = AsyncRun(config, run_dir, echo, alerts, faults)
     writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard, echo=echo)
     try:
         run.run(writer, started, resume)

@@ -10,7 +10,6 @@ HealthManager can hand a dead replica's unfinished rows back.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -43,6 +42,7 @@ from rlx.orchestration.builder import (
     reward_worker,
     rollout_worker,
 )
+from rlx.orchestration.faults import inject
 from rlx.orchestration.plan import RolePlan, build_plan
 from rlx.orchestration.prompt_source import PromptSourceClient
 from rlx.orchestration.resume import capture_run_state
@@ -205,14 +205,11 @@ class RoleService:
 
     def schedule_fault(self, kind: str, at_step: int) -> None:
         """Fault injection at the trainer's own step (the Actor): exact, where the driver's view lags."""
-        self.worker.fault_at = (at_step, lambda: self.inject_fault(kind))
+        self.worker.step_faults.schedule(at_step, lambda: self.inject_fault(kind))
 
     def inject_fault(self, kind: str) -> None:
         """Fault injection (`faults` in the config): die a moment after answering, or hang."""
-        if kind == "kill":
-            threading.Timer(0.2, os._exit, args=(1,)).start()
-        else:
-            self.worker.hang()
+        inject(kind, self.worker)
 
     def check_health(self) -> None:
         silent = time.monotonic() - self.worker.last_beat

@@ -22,6 +22,7 @@ from rlx.bus.loader import StreamingDataLoader
 from rlx.data.rows import PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import SamplingParams
+from rlx.orchestration.faults import StepFaults
 from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.run_dir import checkpoint_path
 from rlx.orchestration.staleness import StalenessGate
@@ -424,7 +425,7 @@ class ActorWorker(Worker):
         self.lock = threading.Lock()  # a checkpoint never sees half a step
         # async mode: the trainer checkpoints itself every `checkpoint_every` of its own steps
         self.checkpoint_every, self.run_dir = 0, None
-        self.fault_at: tuple[int, Callable[[], None]] | None = None  # fault injection at a trainer step
+        self.step_faults = StepFaults()  # fault injection at the trainer's own step
 
     def _loader(self, rows: int | None) -> StreamingDataLoader:
         dynamic = rows is None and self.dynamic_max_rows is not None
@@ -483,9 +484,7 @@ class ActorWorker(Worker):
         step = self.role.version
         if self.checkpoint_every and self.run_dir and step % self.checkpoint_every == 0:
             self._timed(lambda: self.save_checkpoint(self.run_dir, {}))
-        if self.fault_at is not None and step >= self.fault_at[0]:
-            self.fault_at, fire = None, self.fault_at[1]
-            fire()
+        self.step_faults.after_step(step)
         return self.rows_per_step
 
     def reported_after(self, cursor: Cursor | None) -> list[tuple[Cursor, dict[str, float]]]:
