@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import pickle
 from pathlib import Path
@@ -15,15 +16,19 @@ from rlx.engines.generation import EngineSpec
 from rlx.engines.generation.base import GenerationRequest, SamplingParams
 from rlx.engines.generation.sglang import (
     SGLangError,
+    api_key_from,
     build_sglang_engine,
     check_response,
     dtype_name,
     generate_body,
+    is_loopback,
     result_from_response,
     sampling_params_body,
     serialize_named_tensors,
     tensor_chunks,
+    vocab_size,
 )
+from rlx.models import load_tokenizer
 from tests.support.sglang_server import (
     deserialize_named_tensors,
     parse_dtype,
@@ -165,3 +170,54 @@ def test_building_needs_a_url_and_known_options():
         build_sglang_engine(EngineSpec(Path("unused")))
     with pytest.raises(ConfigError, match=r"unknown sglang engine_options \['urll'\]"):
         build_sglang_engine(EngineSpec(Path("unused"), options={"urll": "http://127.0.0.1:1"}))
+
+
+@pytest.mark.parametrize("entry, message", [
+    ([float("nan"), 11, "a"], "log-prob nan of token 11 is not a finite number <= 0"),
+    ([float("inf"), 11, "a"], "log-prob inf of token 11"),
+    ([float("-inf"), 11, "a"], "log-prob -inf of token 11"),
+    ([0.5, 11, "a"], "log-prob 0.5 of token 11"),
+    ([-0.5, 50, "a"], "token id 50 is outside the vocabulary [0, 50)"),
+    ([-0.5, -1, "a"], "token id -1 is outside the vocabulary [0, 50)"),
+    ([True, 11, "a"], "is not [logprob, token_id, text]"),
+])
+def test_a_reply_the_trainer_cannot_use_is_refused_naming_server_and_field(entry, message):
+    with pytest.raises(SGLangError) as caught:
+        result_from_response(REQUEST, reply([[-0.1, 3, "x"], entry]), 0, vocab_size=50, server="http://10.0.0.9:30000")
+    text = str(caught.value)
+    assert text.startswith("SGLang http://10.0.0.9:30000/generate failed (HTTP 200): malformed reply")
+    assert message in text and "output_token_logprobs" in text
+    assert caught.value.server == "http://10.0.0.9:30000"
+
+
+def test_a_log_prob_a_rounding_error_above_zero_and_the_last_id_are_accepted():
+    result = result_from_response(REQUEST, reply([[1e-6, 49, "x"], [-0.0, 0, "y"]]), 0, vocab_size=50)
+    assert result.response_ids == [49, 0] and result.logprobs == [1e-6, 0.0]
+
+
+@pytest.mark.parametrize("url, loopback", [
+    ("http://127.0.0.1:30000", True), ("http://localhost:1", True), ("http://[::1]:30000", True),
+    ("http://127.8.0.1", True), ("http://10.0.0.1:30000", False), ("https://sglang.example.com", False),
+])
+def test_loopback_urls_are_recognised(url, loopback):
+    assert is_loopback(url) is loopback
+
+
+def test_the_api_key_comes_from_the_named_environment_variable_or_the_option(monkeypatch):
+    monkeypatch.setenv("RLX_TEST_SGLANG_KEY", "sk-123")
+    assert api_key_from({"api_key_env": "RLX_TEST_SGLANG_KEY"}) == "sk-123"
+    assert api_key_from({"api_key": "literal"}) == "literal"
+    assert api_key_from({}) is None
+    monkeypatch.delenv("RLX_TEST_SGLANG_KEY")
+    with pytest.raises(ConfigError, match=r"api_key_env='RLX_TEST_SGLANG_KEY': that environment variable is unset"):
+        api_key_from({"api_key_env": "RLX_TEST_SGLANG_KEY"})
+    with pytest.raises(ConfigError, match="give api_key_env or api_key, not both"):
+        api_key_from({"api_key_env": "X", "api_key": "y"})
+    with pytest.raises(ConfigError, match="printable ASCII without spaces"):
+        api_key_from({"api_key": "sk-1\r\nX-Injected: yes"})
+
+
+def test_the_vocabulary_bound_is_the_larger_of_embedding_rows_and_tokenizer(tiny_path):
+    tokenizer = load_tokenizer(tiny_path)
+    rows = json.loads((tiny_path / "config.json").read_text())["vocab_size"]
+    assert vocab_size(tiny_path, tokenizer) == max(rows, len(tokenizer))

@@ -10,44 +10,59 @@ so results stream back as each finishes while the server batches them.
 
 `rollout.engine_options`: `url` (required), `timeout_s` (per HTTP call, default 600), `tp_size`
 (the server's tensor-parallel ranks, default 1), `weight_chunk_mb` (largest
-`/update_weights_from_tensor` body, default 512) and `max_concurrency` (requests in flight, default
-`max_batch_size`).
+`/update_weights_from_tensor` body, default 512), `max_concurrency` (requests in flight, default
+`max_batch_size`), and the server's `--api-key`, sent as `Authorization: Bearer`: `api_key_env` (the
+name of an environment variable holding it; preferred, as the config is saved in the run directory)
+or `api_key` itself.
+
+Replies are checked before anything trains on them: every output token id must be in the model's
+vocabulary and every log-prob a finite number <= 0. A server on a loopback address is called
+directly, whatever HTTP(S)_PROXY says: a proxy would see its traffic and its key.
 """
 
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
+import math
+import os
 import pickle
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 import torch
 import torch.distributed as dist
 from requests.adapters import HTTPAdapter
+from transformers import AutoConfig
 
 from rlx.engines.generation import EngineSpec
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
 from rlx.errors import ConfigError
 from rlx.models import load_tokenizer
+from rlx.weights.broadcast import serve_store
 
-OPTIONS = {"url", "timeout_s", "tp_size", "weight_chunk_mb", "max_concurrency"}
+OPTIONS = {"url", "api_key", "api_key_env", "timeout_s", "tp_size", "weight_chunk_mb", "max_concurrency"}
+LOGPROB_SLACK = 1e-4  # a log-prob a hair above 0 is rounding; more is not a log-prob
 Refill = Callable[[int], list[GenerationRequest]]
 WeightGroup = Any  # a c10d ProcessGroupGloo or ProcessGroupNCCL, used without a default group
 
 
 class SGLangError(RuntimeError):
-    """An SGLang route failed; the message names the route, the HTTP status and the reply's start."""
+    """An SGLang route failed; the message names the server (when known), the route, the HTTP status
+    and the reply's start."""
 
-    def __init__(self, route: str, status: int | None, detail: str) -> None:
-        self.route, self.status = route, status
+    def __init__(self, route: str, status: int | None, detail: str, server: str = "") -> None:
+        self.route, self.status, self.server = route, status, server
         where = f"HTTP {status}" if status is not None else "no response"
-        super().__init__(f"SGLang {route} failed ({where}): {detail}")
+        super().__init__(f"SGLang {server}{route} failed ({where}): {detail}")
 
 
 def excerpt(text: str, limit: int = 300) -> str:
@@ -68,19 +83,19 @@ def error_detail(text: str) -> str:
     return excerpt(text) or "(empty body)"
 
 
-def check_response(route: str, status: int, text: str, expect_json: bool = True) -> Any:
+def check_response(route: str, status: int, text: str, expect_json: bool = True, server: str = "") -> Any:
     """The reply's JSON (or text); raises `SGLangError` on a non-2xx status, a body that is not
     JSON where JSON is due, or SGLang's `{"success": false, "message": ...}`."""
     if not 200 <= status < 300:
-        raise SGLangError(route, status, error_detail(text))
+        raise SGLangError(route, status, error_detail(text), server)
     if not expect_json:
         return text
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        raise SGLangError(route, status, f"reply is not JSON: {excerpt(text) or '(empty body)'}") from None
+        raise SGLangError(route, status, f"reply is not JSON: {excerpt(text) or '(empty body)'}", server) from None
     if isinstance(data, dict) and data.get("success") is False:
-        raise SGLangError(route, status, error_detail(text))
+        raise SGLangError(route, status, error_detail(text), server)
     return data
 
 
@@ -120,13 +135,29 @@ def parse_version(value: Any, default: int) -> int:
         return default
 
 
-def result_from_response(request: GenerationRequest, reply: Any, weight_version: int) -> GenerationResult:
+def entry_problem(entry: Any, vocab_size: int | None) -> str | None:
+    """Why one `output_token_logprobs` entry cannot be trained on, or None when it can."""
+    if not (isinstance(entry, (list, tuple)) and len(entry) >= 2
+            and isinstance(entry[0], (int, float)) and not isinstance(entry[0], bool)
+            and isinstance(entry[1], int) and not isinstance(entry[1], bool)):
+        return f"output_token_logprobs entry {entry!r} is not [logprob, token_id, text]"
+    logprob, token_id = entry[0], entry[1]
+    if not math.isfinite(logprob) or logprob > LOGPROB_SLACK:
+        return f"output_token_logprobs log-prob {logprob!r} of token {token_id} is not a finite number <= 0"
+    if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+        return f"output_token_logprobs token id {token_id} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def result_from_response(request: GenerationRequest, reply: Any, weight_version: int,
+                         vocab_size: int | None = None, server: str = "") -> GenerationResult:
     """A `/generate` reply as a GenerationResult. Token ids and log-probs both come from
     `meta_info.output_token_logprobs` (`[logprob, token_id, text]` per token), which pairs them
-    and includes the final stop token; `weight_version` is the version the request was sent under."""
+    and includes the final stop token; `weight_version` is the version the request was sent under.
+    Each entry is checked (`entry_problem`) against `vocab_size`."""
 
     def malformed(why: str) -> SGLangError:
-        return SGLangError("/generate", 200, f"malformed reply ({why}): {excerpt(json.dumps(reply))}")
+        return SGLangError("/generate", 200, f"malformed reply ({why}): {excerpt(json.dumps(reply))}", server)
 
     meta = reply.get("meta_info") if isinstance(reply, dict) else None
     if not isinstance(meta, dict):
@@ -134,7 +165,8 @@ def result_from_response(request: GenerationRequest, reply: Any, weight_version:
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else None
     if kind == "abort":
-        raise SGLangError("/generate", 200, f"request {request.request_id} was aborted: {finish.get('message')}")
+        raise SGLangError("/generate", 200, f"request {request.request_id} was aborted: {finish.get('message')}",
+                          server)
     if kind not in ("stop", "length"):
         raise malformed(f"finish_reason {finish!r}")
     entries = meta.get("output_token_logprobs")
@@ -142,9 +174,9 @@ def result_from_response(request: GenerationRequest, reply: Any, weight_version:
         raise malformed("no output_token_logprobs")
     logprobs, token_ids = [], []
     for entry in entries:
-        if not (isinstance(entry, (list, tuple)) and len(entry) >= 2 and isinstance(entry[0], (int, float))
-                and isinstance(entry[1], int) and not isinstance(entry[1], bool)):
-            raise malformed(f"output_token_logprobs entry {entry!r}")
+        problem = entry_problem(entry, vocab_size)
+        if problem is not None:
+            raise malformed(problem)
         logprobs.append(float(entry[0]))
         token_ids.append(entry[1])
     return GenerationResult(
@@ -195,14 +227,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def process_group(store: dist.Store, group_name: str, backend: str, rank: int, world_size: int,
-                  timeout: timedelta) -> WeightGroup:
+                  timeout: timedelta, host: str | None = None) -> WeightGroup:
     """A process group on its own, without `init_process_group`'s global default group.
 
     Its keys sit in the store under the same prefixes as in SGLang's `init_custom_process_group`
-    (group name, then `<group name>/`, then the device), so both sides rendezvous on one store."""
+    (group name, then `<group name>/`, then the device), so both sides rendezvous on one store.
+    `host`: the interface a gloo rank listens on (default: the one this machine's name resolves to)."""
     prefixed = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
     if backend == "gloo":
-        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefixed), rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        device = dist.ProcessGroupGloo.create_device(hostname=host) if host else \
+            dist.ProcessGroupGloo.create_default_device()
+        options._devices = [device]
+        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefixed), rank, world_size, options)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -232,17 +270,48 @@ def _in_background(fn: Callable[[], Any]) -> Future:
     return future
 
 
+def is_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_key_from(options: dict[str, Any]) -> str | None:
+    """The server's API key from `api_key_env` (an environment variable's name) or `api_key`."""
+    if "api_key" in options and "api_key_env" in options:
+        raise ConfigError("rollout.engine_options: give api_key_env or api_key, not both")
+    if "api_key_env" in options:
+        name = options["api_key_env"]
+        key = os.environ.get(name, "")
+        if not key:
+            raise ConfigError(f"rollout.engine_options.api_key_env={name!r}: that environment variable is unset "
+                              "or empty where the rollout runs; export it (the SGLang server's --api-key)")
+    else:
+        key = options.get("api_key") or ""
+    if key and not (key.isascii() and key.isprintable() and " " not in key):
+        raise ConfigError("rollout.engine_options: the SGLang API key must be printable ASCII without spaces")
+    return key or None
+
+
 class SGLangEngine(StreamingEngine):
     """The generation-engine interface over one SGLang server (see the module docstring)."""
 
     def __init__(self, url: str, timeout_s: float = 600.0, max_concurrency: int = 64, tp_size: int = 1,
-                 weight_chunk_mb: float = 512.0) -> None:
+                 weight_chunk_mb: float = 512.0, api_key: str | None = None, vocab_size: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         self.tp_size = tp_size
         self.weight_chunk_bytes = max(1, int(weight_chunk_mb * 2**20))
+        self.vocab_size = vocab_size
         self._session = requests.Session()
+        self._session.trust_env = not is_loopback(self.url)  # no proxy (nor .netrc) for a local server
+        if api_key:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
         self._session.mount(self.url, HTTPAdapter(pool_connections=1, pool_maxsize=max_concurrency))
         self._group: WeightGroup | None = None
         self._group_name = ""
@@ -252,8 +321,8 @@ class SGLangEngine(StreamingEngine):
         try:
             response = self._session.request(method, self.url + route, json=body, timeout=self.timeout_s)
         except requests.RequestException as error:
-            raise SGLangError(route, None, f"{self.url}: {type(error).__name__}: {error}") from error
-        return check_response(route, response.status_code, response.text, expect_json)
+            raise SGLangError(route, None, f"{type(error).__name__}: {error}", self.url) from error
+        return check_response(route, response.status_code, response.text, expect_json, self.url)
 
     def model_info(self) -> dict[str, Any]:
         return self._call("GET", "/get_model_info")
@@ -295,7 +364,8 @@ class SGLangEngine(StreamingEngine):
 
     def _generate_one(self, request: GenerationRequest, params: SamplingParams) -> GenerationResult:
         version = self.weight_version
-        return result_from_response(request, self._call("POST", "/generate", generate_body(request, params)), version)
+        reply = self._call("POST", "/generate", generate_body(request, params))
+        return result_from_response(request, reply, version, self.vocab_size, self.url)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, shared: bool = False) -> None:
         """Pause, update (by broadcast once `init_weights_update_group` ran, else over HTTP), flush
@@ -333,9 +403,9 @@ class SGLangEngine(StreamingEngine):
         CUDA weights on a GPU trainer; `gloo` works anywhere."""
         world_size = 1 + self.tp_size
         timeout = timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
-        joined = _in_background(lambda: process_group(store, group_name, backend, 0, world_size, timeout))
+        store = serve_store(master_address, self.timeout_s, master_port)  # listens on master_address only
+        joined = _in_background(lambda: process_group(store, group_name, backend, 0, world_size, timeout,
+                                                      master_address))
         self._call("POST", "/init_weights_update_group", {
             "master_address": master_address, "master_port": store.port, "rank_offset": 1,
             "world_size": world_size, "group_name": group_name, "backend": backend,
@@ -379,11 +449,21 @@ def build_sglang_engine(spec: EngineSpec) -> tuple[SGLangEngine, Any]:
         raise ConfigError(f"unknown sglang engine_options {sorted(unknown)}; known: {sorted(OPTIONS)}")
     if not options.get("url"):
         raise ConfigError("rollout.engine=sglang needs rollout.engine_options.url (e.g. http://127.0.0.1:30000)")
+    tokenizer = load_tokenizer(spec.path)
     engine = SGLangEngine(
         options["url"],
         timeout_s=float(options.get("timeout_s", 600.0)),
         max_concurrency=int(options.get("max_concurrency", spec.max_batch_size)),
         tp_size=int(options.get("tp_size", 1)),
         weight_chunk_mb=float(options.get("weight_chunk_mb", 512.0)),
+        api_key=api_key_from(options),
+        vocab_size=vocab_size(spec.path, tokenizer),
     )
-    return engine, load_tokenizer(spec.path)
+    return engine, tokenizer
+
+
+def vocab_size(path: Path, tokenizer: Any) -> int:
+    """Token ids the policy can take: its embedding rows (often padded past the tokenizer) or the
+    tokenizer's ids, whichever is larger."""
+    rows = AutoConfig.from_pretrained(path).get_text_config().vocab_size
+    return max(len(tokenizer), rows or 0)
