@@ -169,6 +169,11 @@ class RewardWorker(Worker):
         if hasattr(role, "close"):  # the Reward role's process pool ends with the worker
             self.on_stop.append(role.close)
 
+    def status(self) -> dict[str, Any]:
+        """Adds the reward function's failures so far, by class (error, timeout, crash, bad_value)."""
+        failures = getattr(self.role, "failures", {})  # GenRM's judge reports none
+        return {**super().status(), **{f"reward_failed_{kind}": count for kind, count in failures.items()}}
+
     def _score(self, rows: list[int], samples: list[Sample]) -> None:
         self._timed(lambda: self.role.score(samples))
         self.bus.put_fields(rows, {name: [getattr(s, name) for s in samples] for name in self.outputs})
