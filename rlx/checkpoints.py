@@ -70,11 +70,14 @@ def fsync_tree(folder: Path) -> None:
 
 
 def write_marker(folder: Path) -> None:
-    """The completion marker, written last and fsynced with its folder."""
-    with open(folder / MARKER, "w") as out:
+    """The completion marker, written last and fsynced with its folder; renamed into place, so a
+    reader never sees half of it."""
+    draft = folder / (MARKER + ".tmp")
+    with open(draft, "w") as out:
         out.write(json.dumps({"format": FORMAT}))
         out.flush()
         os.fsync(out.fileno())
+    draft.rename(folder / MARKER)
     _fsync_path(folder)
 
 
@@ -187,6 +190,9 @@ def export_checkpoint(source: Path, out: Path) -> list[str]:
     """Copy the allowlisted top-level files of checkpoint `source` into `out`; returns their names."""
     if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
         raise CheckpointError(f"export target {out} is inside the checkpoint {source}: choose a folder outside it")
+    if (source / "trainer_state.json").exists() and read_marker(source) is None:
+        raise CheckpointError(f"{source} is not a complete checkpoint (no {MARKER}): a save cut short, or the old "
+                              "format (`rlx convert-run <run_dir>` converts it); export another checkpoint")
     names = sorted(p.name for p in source.iterdir() if p.is_file() and exportable(p.name))
     if not any(fnmatch.fnmatchcase(n, "model*.safetensors") for n in names):
         raise CheckpointError(f"{source} has no model*.safetensors: it is not a checkpoint folder")

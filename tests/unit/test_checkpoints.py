@@ -171,6 +171,9 @@ def test_export_copies_only_the_allowlist(engines, tmp_path):
     assert "model*.safetensors" in EXPORT_PATTERNS  # the registry later features extend
     with pytest.raises(CheckpointError, match="inside the checkpoint"):
         export_checkpoint(checkpoint, checkpoint / "hf")
+    (checkpoint / MARKER).unlink()  # as a save cut short leaves it
+    with pytest.raises(CheckpointError, match="is not a complete checkpoint"):
+        export_checkpoint(checkpoint, tmp_path / "hf2")
 
 
 def test_convert_run_turns_old_checkpoints_into_data_files(engines, tmp_path):
