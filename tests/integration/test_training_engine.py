@@ -1,14 +1,20 @@
-"""Training engine: micro-batch invariance, checkpoints, Hugging Face export."""
+"""Training engine: micro-batch invariance, PPO epochs and mini-batches, checkpoints, HF export."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.algorithms.aggregate import aggregate
-from rlx.config import TrainConfig
+from rlx.config import AlgorithmConfig, TrainConfig
 from rlx.engines.training import TrainingEngine, collate
 from rlx.models import load_pretrained
+from tests.integration.stored_samples import parameters, stored_batch, tiny_actor, with_reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(tokenizer, rows=6):
@@ -79,3 +85,55 @@ def test_checkpoint_round_trip_and_export(tiny, tiny_path, tmp_path):
     for (name, a), b in zip(model.named_parameters(), reloaded.parameters()):
         assert torch.equal(a, b), name
     assert (exported / "tokenizer.json").exists()
+
+
+def _ppo_step(tiny_path, shuffle: bool = False, **train) -> tuple[dict[str, torch.Tensor], dict[str, float], int]:
+    """One Actor step with KL over 16 stored samples, fed in uid-scrambled (or shuffled) order."""
+    actor = tiny_actor(tiny_path, AlgorithmConfig(kl_coef=0.1), **train)
+    samples = with_reference(stored_batch(0) + stored_batch(1), actor)
+    if shuffle:
+        random.Random(1).shuffle(samples)
+    metrics = actor.train(samples)
+    return parameters(actor), metrics, actor.version
+
+
+def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def test_ppo_epochs_and_mini_batches_are_micro_batch_invariant(tiny_path):
+    # lr 1e-4: Adam's first updates are nearly sign(g) * lr, so rounding noise in a gradient near 0
+    # can move a weight by up to lr; at this lr that stays under 1e-6 while a real difference (a
+    # mini-batch scaled by the wrong count, membership that follows micro-batching) moves ~1e-4.
+    initial = parameters(tiny_actor(tiny_path))
+    reference, metrics, version = _ppo_step(tiny_path, micro_batch_size=4, ppo_epochs=2, mini_batches=2, lr=1e-4)
+    assert metrics["optimizer_updates"] == 4 and version == 1, "one version per step, four updates in it"
+    assert _max_difference(reference, initial) > 5e-5, "the step must move the weights well past the tolerance"
+    for size in (1, 2):
+        params, _, _ = _ppo_step(tiny_path, micro_batch_size=size, ppo_epochs=2, mini_batches=2, lr=1e-4)
+        assert _max_difference(params, reference) < 1e-6, size
+
+
+def test_the_clip_acts_from_the_second_update_on(tiny_path):
+    _, one, _ = _ppo_step(tiny_path, micro_batch_size=4)
+    assert one["clip_fraction"] == 0.0 and one["ratio_mean"] == pytest.approx(1.0, abs=1e-6), "on-policy"
+    # epoch 1 has the old log-probs' weights: its ratio is 1, so any clipping is epoch 2's
+    _, two, _ = _ppo_step(tiny_path, micro_batch_size=4, ppo_epochs=2)
+    assert two["optimizer_updates"] == 2
+    assert two["clip_fraction"] > 0.05, "the second update starts from moved weights: the clip must act"
+    assert two["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
+
+
+def test_mini_batch_membership_ignores_arrival_order(tiny_path):
+    ordered, _, _ = _ppo_step(tiny_path, micro_batch_size=3, ppo_epochs=2, mini_batches=2)
+    shuffled, _, _ = _ppo_step(tiny_path, shuffle=True, micro_batch_size=3, ppo_epochs=2, mini_batches=2)
+    for name in ordered:
+        assert torch.equal(ordered[name], shuffled[name]), name
+
+
+def test_lr_schedule_advances_once_per_step_whatever_the_updates(tiny_path):
+    actor = tiny_actor(tiny_path, lr=1e-3, warmup_steps=4, ppo_epochs=3, mini_batches=2)
+    samples = stored_batch(0)
+    lrs = [actor.train(samples)["lr"] for _ in range(2)]
+    assert lrs == pytest.approx([0.25e-3, 0.5e-3]), "warm-up counts steps, not optimizer updates"
+    assert actor.version == 2 and actor.engine.updates == 12

@@ -88,3 +88,26 @@ def collate(
         per_token={k: pad_rows(v) for k, v in (per_token or {}).items()},
         per_sequence={k: torch.tensor(v, dtype=torch.float32) for k, v in (per_sequence or {}).items()},
     )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(key: int, seed: int) -> int:
+    """A splitmix64-style mix of (seed, key): spread well and the same on every platform and run
+    (Python's own hash() is salted per process for strings and leaves small ints as they are)."""
+    z = (key + (seed + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def mini_batch_rows(keys: list[int], count: int, seed: int) -> list[list[int]]:
+    """Split rows into `count` mini-batches (ascending row indices each) by a seeded hash of each
+    row's key, a sample uid: rows are ranked by the hash and dealt out in turn, so sizes differ by
+    at most one and a row's mini-batch depends on the step's set of keys, not on their arrival or
+    length order. With fewer rows than `count`, the last mini-batches are empty."""
+    if count < 1:
+        raise ValueError(f"train.mini_batches={count}: a step needs at least one mini-batch; set it to 1 or more")
+    ranked = sorted(range(len(keys)), key=lambda row: (_mix(keys[row], seed), keys[row]))
+    return [sorted(ranked[start::count]) for start in range(count)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -123,7 +124,9 @@ class TrainingEngine:
         if self._pending:
             self.update(grad_scale)
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a first step with every update skipped still advances it, on purpose
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            self.scheduler.step()
         self.step += 1
         return {"lr": lr, "grad_norm": sum(self._norms) / max(len(self._norms), 1),
                 "optimizer_updates": float(len(self._norms)), "nonfinite_skipped": float(self._skipped),
