@@ -52,8 +52,10 @@ def test_with_mini_batches_only_the_poisoned_one_is_skipped(tiny_path):
     assert all(torch.isfinite(p).all() for p in actor.engine.model.parameters())
 
 
-def test_a_colocated_step_with_a_nan_advantage_loads_no_nan_into_the_rollout(tiny_path, tmp_path):
-    config = toy_config(tiny_path, tmp_path, algorithm__filter_zero_std_groups=False)
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_colocated_step_with_a_nan_advantage_loads_no_nan_into_the_rollout(tiny_path, tmp_path, epochs):
+    config = toy_config(tiny_path, tmp_path, algorithm__filter_zero_std_groups=False, train__ppo_epochs=epochs,
+                        train__mini_batches=epochs)
     c = build_components(config)
     workers = build_workers(c, LocalBus(), sync_weights=lambda: None, publish=c.sync_weights, max_staleness=0)
     compute = c.advantages.compute
@@ -67,7 +69,10 @@ def test_a_colocated_step_with_a_nan_advantage_loads_no_nan_into_the_rollout(tin
     engine = c.rollout.engine
     before = {name: t.clone() for name, t in engine.model.state_dict().items()}
     metrics = train_one_step(workers, config)
-    assert metrics["nonfinite_skipped"] == 1
+    assert metrics["nonfinite_skipped"] == epochs, "the poisoned (mini-)batch's update, once per epoch"
+    assert metrics["optimizer_updates"] == epochs * epochs - epochs
     assert engine.weight_version == 1, "the step's version was loaded"
+    actor = c.actor.weights()
     for name, tensor in engine.model.state_dict().items():
-        assert torch.equal(tensor, before[name]), f"{name}: the rollout engine must keep the finite weights"
+        assert torch.isfinite(tensor).all() and torch.equal(tensor, actor[name]), name
+        assert torch.equal(tensor, before[name]) == (epochs == 1), f"{name}: only the clean mini-batch trains"
