@@ -459,7 +459,8 @@ class ActorWorker(Worker):
             if trainable:
                 self._timed(lambda: self.role.accumulate(trainable))
                 trained += len(trainable)
-        metrics = self._timed(self.role.finish_step)
+        # with PPO epochs or mini-batches every update runs here: beat through it, it is no hang
+        metrics = self._timed(lambda: self._beating_while(self.role.finish_step))
         publish_started = time.monotonic()
         self._timed(lambda: self._beating_while(self.publish))
         metrics["time_publish_s"] = time.monotonic() - publish_started
