@@ -19,7 +19,7 @@ import torch
 from rlx.registry import Registry
 
 if TYPE_CHECKING:
-    from rlx.config import CispoLoss, ClippedLoss, GspoLoss, SapoLoss
+    from rlx.config import CispoLoss, ClippedLoss, GspoLoss, LossConfig, SapoLoss
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def find_policy_loss(name: str) -> PolicyLoss:
     return POLICY_LOSSES.get(key)
 
 
-def policy_loss_of(config: Any) -> PolicyLoss:
+def policy_loss_of(config: LossConfig) -> PolicyLoss:
     """The function for an `algorithm.loss` section: built-ins by `type`, custom ones by `name`."""
     return find_policy_loss(config.name) if config.type == "custom" else POLICY_LOSSES.get(config.type)
 
