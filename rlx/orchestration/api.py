@@ -123,8 +123,11 @@ class Guard:
         return scheme.lower() == b"bearer" and secrets.compare_digest(credentials.strip(), self.token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # no route takes a websocket: refused before the app sees it
+            await send({"type": "websocket.close", "code": 1008})
             return
         if host_name(header(scope, b"host")) not in self.hosts:
             await reply(send, 421, f"Host must be one of {sorted(self.hosts)} (this API serves this machine only)")

@@ -58,7 +58,7 @@ class DriverEvaluator:
     def __call__(self) -> dict[str, float]:
         self.weights.pull(self.rollout.load_weights)
         metrics = evaluate(self.rollout, self.reward, self.rows, self.encode, self.params)
-        return {**metrics, "eval_weight_version": float(self.rollout.engine.weight_version)}
+        return {**metrics, "eval_weight_version": float(self.rollout.version)}
 
 
 class AsyncRun:

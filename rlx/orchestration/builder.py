@@ -25,8 +25,10 @@ from rlx.orchestration.plan import RolePlan, build_plan
 from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.staleness import StalenessGate
 from rlx.orchestration.workers import (
+    NO_CHECKPOINTS,
     ActorWorker,
     AdvantagesWorker,
+    Checkpointing,
     CriticWorker,
     LogProbWorker,
     RewardWorker,
@@ -241,14 +243,15 @@ def rollout_worker(config: RunConfig, plan: RolePlan, rollout: Rollout, bus, sou
 
 
 def actor_worker(config: RunConfig, plan: RolePlan, actor: Actor, bus, publish: Callable[[], None],
-                 max_staleness: int, max_steps: int | None = None) -> ActorWorker:
+                 max_staleness: int, max_steps: int | None = None,
+                 checkpoints: Checkpointing = NO_CHECKPOINTS) -> ActorWorker:
     r, t, a = config.rollout, config.train, config.algorithm
     rows = r.prompts_per_step * r.n
     return ActorWorker(actor, bus, rows, t.micro_batch_size, staleness_gate(config, max_staleness),
                        fields=plan.inputs("train"), timeout_s=t.step_timeout_s, publish=publish, max_steps=max_steps,
                        final_tasks=plan.final_tasks,
                        dynamic_max_rows=int(rows * a.max_groups_per_step) if a.dynamic_sampling else None,
-                       group_size=r.n)
+                       group_size=r.n, checkpoints=checkpoints)
 
 
 def advantages_worker(config: RunConfig, plan: RolePlan, advantages: Advantages, bus) -> AdvantagesWorker:
@@ -261,10 +264,11 @@ def reward_worker(config: RunConfig, plan: RolePlan, reward: Reward | GenRM, bus
                         group_size=config.rollout.n)
 
 
-def critic_worker(config: RunConfig, plan: RolePlan, critic: Critic, bus) -> CriticWorker:
+def critic_worker(config: RunConfig, plan: RolePlan, critic: Critic, bus,
+                  checkpoints: Checkpointing = NO_CHECKPOINTS) -> CriticWorker:
     r = config.rollout
     return CriticWorker(critic, bus, r.prompts_per_step * r.n, config.train.micro_batch_size, plan.final_tasks,
-                        plan.inputs("critic"), plan.inputs("critic_train"))
+                        plan.inputs("critic"), plan.inputs("critic_train"), checkpoints)
 
 
 def logprob_worker(config: RunConfig, plan: RolePlan, task: str, role: Reference, bus,

@@ -108,9 +108,9 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
 
     if resume:
         checkpoint = latest_checkpoint(run_dir)
-        state = c.actor.engine.load_checkpoint(checkpoint)
+        state = c.actor.load(checkpoint)
         if c.critic is not None:
-            c.critic.engine.load_checkpoint(checkpoint / "critic")
+            c.critic.load(checkpoint / "critic")
         step, totals = state["loop_step"], Counter(state["totals"])
         c.prompts.stream.position = state["data_position"]
         c.sync_weights()
@@ -121,9 +121,9 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
     def save() -> None:
         state = {"loop_step": step, "data_position": c.prompts.stream.position, "totals": dict(totals)}
         with staged_checkpoint(checkpoint_path(run_dir, step)) as staging:  # one unit: complete or absent
-            c.actor.engine.write_checkpoint(staging, state)
+            c.actor.write(staging, state)
             if c.critic is not None:  # stateful too: the value model and its optimizer
-                c.critic.engine.write_checkpoint(staging / "critic", state)
+                c.critic.write(staging / "critic", state)
 
     if not resume:
         writer.write(0, run_eval())

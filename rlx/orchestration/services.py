@@ -47,7 +47,7 @@ from rlx.orchestration.plan import RolePlan, build_plan
 from rlx.orchestration.prompt_source import PromptSourceClient
 from rlx.orchestration.resume import capture_run_state
 from rlx.orchestration.run_dir import latest_checkpoint
-from rlx.orchestration.workers import Worker
+from rlx.orchestration.workers import Checkpointing, Worker
 from rlx.run_state import load_run_state
 from rlx.weights.sync import WeightSync
 
@@ -62,6 +62,10 @@ class Shared:
     prompts: PromptSourceClient
     heartbeats: Any
     run_dir: str | None = None  # the Actor starts from its newest checkpoint, if there is one
+
+
+def run_dir_of(shared: Shared) -> Path | None:
+    return Path(shared.run_dir) if shared.run_dir else None
 
 
 def _subscribe(worker_of: Callable[[Callable[[], None]], Worker], shared: Shared, load) -> Worker:
@@ -85,16 +89,16 @@ def _rollout(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
 
 def _actor(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     actor, publisher = build_actor(cfg, model_path(cfg)), shared.weights.publisher(refill=True)
+    checkpoints = Checkpointing(run_dir_of(shared), cfg.train.checkpoint_every,
+                                capture=lambda: capture_run_state(shared.bus, shared.prompts))
     worker = actor_worker(cfg, plan, actor, shared.bus,
                           publish=lambda: publisher.publish(actor.weights(), actor.version),
-                          max_staleness=cfg.train.max_staleness, max_steps=cfg.train.steps)
-    worker.capture = lambda: capture_run_state(shared.bus, shared.prompts)
-    worker.checkpoint_every, worker.run_dir = cfg.train.checkpoint_every, shared.run_dir
+                          max_staleness=cfg.train.max_staleness, max_steps=cfg.train.steps, checkpoints=checkpoints)
     # A resumed run, or a global recovery after the Actor was lost mid-run, starts from the newest
     # checkpoint; the rollback publish makes every engine drop weights newer than it.
     checkpoint = latest_checkpoint(Path(shared.run_dir)) if shared.run_dir else None
     if checkpoint is not None:
-        actor.engine.load_checkpoint(checkpoint)
+        actor.load(checkpoint)
         worker.restore(load_run_state(checkpoint))
     publisher.publish(actor.weights(), actor.version, rollback=True)
     worker.on_stop.append(publisher.close)
@@ -105,11 +109,11 @@ def _critic(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     """The Critic holds the value model's optimizer state: a replacement after a loss starts from
     the Critic's own newest checkpoint (a value model a few steps old; the policy is unaffected)."""
     critic = build_critic(cfg)
-    worker = critic_worker(cfg, plan, critic, shared.bus)
-    worker.checkpoint_every, worker.run_dir = cfg.train.checkpoint_every, shared.run_dir
+    checkpoints = Checkpointing(run_dir_of(shared), cfg.train.checkpoint_every)
+    worker = critic_worker(cfg, plan, critic, shared.bus, checkpoints)
     checkpoint = latest_checkpoint(Path(shared.run_dir), "critic") if shared.run_dir else None
     if checkpoint is not None:
-        critic.engine.load_checkpoint(checkpoint)
+        critic.load(checkpoint)
     return worker
 
 

@@ -13,6 +13,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,22 @@ def to_samples(row_ids: list[int], values: dict[str, list]) -> list[Sample]:
 
 def sample_tokens(sample: Sample) -> int:
     return len(sample.prompt_ids) + len(sample.response_ids)
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """A stateful worker that checkpoints itself (async mode): every `every` of its own steps into
+    `run_dir`, with `capture()`, the run state that must be saved beside the model. Off by default."""
+
+    run_dir: Path | None = None
+    every: int = 0
+    capture: Callable[[], dict[str, Any]] = dict
+
+    def due(self, step: int) -> bool:
+        return bool(self.every and self.run_dir and step % self.every == 0)
+
+
+NO_CHECKPOINTS = Checkpointing()  # colocated mode: the loop checkpoints every role at once
 
 
 Cursor = tuple[str, int]  # (the worker instance, the index of a report it made)
@@ -249,15 +266,16 @@ class CriticWorker(Worker):
     advantages wait on) and training steps on samples whose returns are known."""
 
     def __init__(self, role: Critic, bus, rows_per_step: int, micro_batch_size: int, final_tasks: list[str],
-                 value_inputs: list[str], train_inputs: list[str]) -> None:
+                 value_inputs: list[str], train_inputs: list[str],
+                 checkpoints: Checkpointing = NO_CHECKPOINTS) -> None:
+        """`checkpoints`: async mode, where the Critic checkpoints itself on its own clock."""
         super().__init__("critic")
         self.role, self.bus, self.final_tasks = role, bus, final_tasks
         self.value_inputs, self.train_inputs = value_inputs, train_inputs
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
         self.remaining: int | None = None  # rows left in the open training step
         self.reports = StepReports()
-        # async mode: the critic checkpoints itself every `checkpoint_every` of its own steps
-        self.checkpoint_every, self.run_dir = 0, None
+        self.checkpoints = checkpoints
 
     def _values(self) -> int:
         rows, values = self.bus.poll("critic", self.value_inputs, self.micro_batch_size, self.poll_timeout_s, partial=True)
@@ -282,11 +300,10 @@ class CriticWorker(Worker):
         if self.remaining <= 0:
             metrics = self._timed(self.role.finish_step)
             self.remaining = None
-            step = self.role.engine.step
+            step = self.role.version
             self.reports.add({**metrics, "critic_step": float(step)})
-            if self.checkpoint_every and self.run_dir and step % self.checkpoint_every == 0:
-                self._timed(lambda: self.role.engine.save_checkpoint(
-                    checkpoint_path(Path(self.run_dir), step, "critic"), {}))
+            if self.checkpoints.due(step):
+                self._timed(lambda: self.role.save(checkpoint_path(self.checkpoints.run_dir, step, "critic"), {}))
         self.items += len(rows)
         return len(rows)
 
@@ -351,7 +368,7 @@ class RolloutWorker(Worker):
         self.sync_weights()  # applies a version the subscriber already received: no round trip
         # Admission counts against the weights this engine actually generates with: counting against
         # a newer published version the engine has not loaded yet would let staleness exceed the bound.
-        self._version = self.role.engine.weight_version
+        self._version = self.role.version
         if self.refill_dropped and check_dropped:  # dynamic sampling: a dropped group frees its place
             self._dropped = int(self.bus.metrics().get("bus_groups_dropped", 0))
 
@@ -397,7 +414,7 @@ class RolloutWorker(Worker):
         return self._produce(self._groups(self.source.take(num_groups, self.consumer)), continuous=False)
 
     def status(self) -> dict[str, Any]:
-        return {**super().status(), "weight_version": self.role.engine.weight_version,
+        return {**super().status(), "weight_version": self.role.version,
                 "groups_in_flight": len(self._pending)}
 
     def work_once(self) -> int:
@@ -415,9 +432,11 @@ class ActorWorker(Worker):
     def __init__(self, role: Actor, bus, rows_per_step: int, micro_batch_size: int, gate: StalenessGate,
                  fields: list[str], timeout_s: float, publish: Callable[[], None],
                  max_steps: int | None = None, final_tasks: list[str] = ("train",),
-                 dynamic_max_rows: int | None = None, group_size: int = 1) -> None:
+                 dynamic_max_rows: int | None = None, group_size: int = 1,
+                 checkpoints: Checkpointing = NO_CHECKPOINTS) -> None:
         """`final_tasks`: the last consumers of a row, cleared once all took it. `dynamic_max_rows`
-        (dynamic sampling): only trainable rows count toward a step, up to this many rows in all."""
+        (dynamic sampling): only trainable rows count toward a step, up to this many rows in all.
+        `checkpoints`: async mode, where the trainer checkpoints itself on its own clock."""
         super().__init__("actor")
         self.role, self.bus, self.gate = role, bus, gate
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
@@ -425,11 +444,9 @@ class ActorWorker(Worker):
         self.timeout_s, self.publish, self.max_steps = timeout_s, publish, max_steps
         self.final_tasks, self.dynamic_max_rows = list(final_tasks), dynamic_max_rows
         self.group_size, self.samples_per_group = group_size, Counter()  # to prove nothing arrives twice
-        self.capture: Callable[[], dict[str, Any]] | None = None  # run state saved with each checkpoint
         self.reports = StepReports()  # async mode: the steps `work_once` finished
         self.lock = threading.Lock()  # a checkpoint never sees half a step
-        # async mode: the trainer checkpoints itself every `checkpoint_every` of its own steps
-        self.checkpoint_every, self.run_dir = 0, None
+        self.checkpoints = checkpoints
         self.step_faults = StepFaults()  # fault injection at the trainer's own step
 
     def _loader(self, rows: int | None) -> StreamingDataLoader:
@@ -488,8 +505,8 @@ class ActorWorker(Worker):
                     return 0
                 raise
         step = self.role.version
-        if self.checkpoint_every and self.run_dir and step % self.checkpoint_every == 0:
-            self._timed(lambda: self.save_checkpoint(self.run_dir, {}))
+        if self.checkpoints.due(step):
+            self._timed(lambda: self.save_checkpoint(str(self.checkpoints.run_dir), {}))
         self.step_faults.after_step(step)
         return self.rows_per_step
 
@@ -502,14 +519,13 @@ class ActorWorker(Worker):
 
     def save_checkpoint(self, run_dir: str, extra_state: dict[str, Any]) -> str:
         """Between two steps, into `<run_dir>/checkpoints/step_<the trainer's own step>`: the model,
-        the optimizer and (async mode) `self.capture()`, the state of the bus and the prompt source
+        the optimizer and (async mode) `checkpoints.capture()`, the state of the bus and the prompt source
         taken while the trainer cannot consume, as run-state data files (`rlx.run_state`)."""
         with self.lock:
             step = self.role.version  # the driver's count may lag: the trainer's is the truth
-            run_state = {"samples_per_group": dict(self.samples_per_group), **(self.capture() if self.capture else {})}
-            return str(self.role.engine.save_checkpoint(checkpoint_path(Path(run_dir), step),
-                                                        {**extra_state, "loop_step": step},
-                                                        encode_run_state(run_state)))
+            run_state = {"samples_per_group": dict(self.samples_per_group), **self.checkpoints.capture()}
+            return str(self.role.save(checkpoint_path(Path(run_dir), step), {**extra_state, "loop_step": step},
+                                      encode_run_state(run_state)))
 
     def restore(self, run_state: dict[str, Any]) -> None:
         self.samples_per_group = Counter(run_state["samples_per_group"])

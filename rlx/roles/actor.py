@@ -23,9 +23,10 @@ from rlx.data.sample import Sample
 from rlx.engines.training.batch import TokenBatch, mini_batch_rows
 from rlx.engines.training.engine import TrainingEngine
 from rlx.roles.batching import samples_to_batch
+from rlx.roles.trainable import Trainable
 
 
-class Actor:
+class Actor(Trainable):
     def __init__(self, engine: TrainingEngine, config: AlgorithmConfig, pad_token_id: int) -> None:
         self.engine = engine
         self.config = config
@@ -33,11 +34,6 @@ class Actor:
         self._sums: dict[str, float] = {}
         self._tokens = self._sequences = 0.0
         self._collected: list[Sample] = []  # the step's samples, when it takes several updates
-
-    @property
-    def version(self) -> int:
-        """Published weight version = steps finished (each may take several optimizer updates)."""
-        return self.engine.step
 
     @property
     def _epochs(self) -> bool:

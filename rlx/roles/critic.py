@@ -7,9 +7,10 @@ from rlx.algorithms.values import clipped_value_loss
 from rlx.data.sample import Sample
 from rlx.engines.training.engine import TrainingEngine
 from rlx.roles.batching import samples_to_batch
+from rlx.roles.trainable import Trainable
 
 
-class Critic:
+class Critic(Trainable):
     def __init__(self, engine: TrainingEngine, pad_token_id: int, value_clip: float) -> None:
         self.engine, self.pad_token_id, self.value_clip = engine, pad_token_id, value_clip
         self._sums: dict[str, float] = {}

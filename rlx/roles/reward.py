@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rlx.data.sample import Sample
 from rlx.rewards import PooledReward, RewardOutcome, RewardPool, score_group_safely, score_safely

@@ -66,5 +66,10 @@ class Rollout:
                 metadata=row.metadata,
             )
 
+    @property
+    def version(self) -> int:
+        """The weight version the engine generates with."""
+        return self.engine.weight_version
+
     def load_weights(self, state_dict, version: int, shared: bool = False) -> None:
         self.engine.load_weights(state_dict, version, shared)

@@ -1,0 +1,31 @@
+"""What orchestration needs of a role that trains (Actor, Critic): its version and its checkpoints,
+so no worker or loop reaches into the training engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlx.engines.training.engine import TrainingEngine
+
+
+class Trainable:
+    engine: TrainingEngine
+
+    @property
+    def version(self) -> int:
+        """Steps finished (each may take several optimizer updates): the Actor's published weight version."""
+        return self.engine.step
+
+    def save(self, directory: Path, state: dict, files: dict[str, bytes] | None = None) -> Path:
+        """A checkpoint of this role alone: complete or absent, never half."""
+        return self.engine.save_checkpoint(directory, state, files)
+
+    def write(self, folder: Path, state: dict) -> None:
+        """This role's part of a checkpoint that several roles share; the caller completes it."""
+        self.engine.write_checkpoint(folder, state)
+
+    def load(self, directory: Path) -> dict:
+        """Restore model, optimizer and version; returns the rest of the saved state."""
+        return self.engine.load_checkpoint(directory)
