@@ -142,6 +142,14 @@ def test_a_foreign_host_header_is_refused(api):
     assert status == 421  # no Host header at all
 
 
+def test_a_websocket_upgrade_is_refused_even_with_the_token(api):
+    server, _, auth = api
+    status, _ = raw(server, b"GET /v1/status HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+                            b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                            b"Sec-WebSocket-Version: 13\r\nAuthorization: " + auth["Authorization"].encode() + b"\r\n")
+    assert status == 403
+
+
 def test_requests_beyond_the_concurrency_limit_get_429(api):
     server, control, auth = api
     control.gate.clear()
