@@ -76,7 +76,7 @@ def load_pretrained(path: Path, dtype: str = "float32", device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True).to(device)
     return model, tokenizer
 
 
@@ -91,7 +91,8 @@ def load_value_model(path: Path, device: str = "cpu"):
     hf_logging.set_verbosity_error()  # the new head's "newly initialized weights" notice is expected
     try:
         config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
-        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
+                                                                use_safetensors=True)
     finally:
         hf_logging.set_verbosity(verbosity)
     with torch.no_grad():
