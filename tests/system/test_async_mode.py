@@ -53,11 +53,13 @@ def test_async_ppo_with_teacher_and_judge_roles(tiny_path, tmp_path):
     for r in steps:
         assert r["reward_failed"] == 0 and r["reward_mean"] > 0  # the judge's verdicts
         assert "distill_reverse_kl" in r  # teacher log-probs reached the trainer
+        assert r["proximal_staleness_mean"] >= 0  # ActorFwd's versions reached the trainer
         assert 0 < r["busy_critic"] <= 1 and 0 < r["busy_teacher"] <= 1 and 0 < r["busy_genrm"] <= 1
     assert sum("value_loss" in r for r in steps) >= 2  # critic steps, reported beside the actor's
     weights = json.loads((run_dir / "health.json").read_text())["weights"]
     # released as the rollout moved on: the latest, and at most the one the rollout was still using
     assert weights["latest"] == 3 and weights["epoch"] >= 1 and weights["held"][-1] == 3 and len(weights["held"]) <= 2
-    assert sorted(name.split("-")[0] for name in weights["subscribers"]) == ["reference", "rollout"]
+    # max_staleness=1 makes the default correction decoupled PPO: ActorFwd follows the policy too
+    assert sorted(name.split("-")[0] for name in weights["subscribers"]) == ["actor_fwd", "reference", "rollout"]
     assert {s["channel"] for s in weights["subscribers"].values()} == {"gloo"}
     assert all("kl" in r for r in steps)
