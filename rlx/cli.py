@@ -154,10 +154,11 @@ def _bench(args: argparse.Namespace) -> int:
         table = format_table(run_algorithms_benchmark(Path(args.work_dir), steps=args.steps, only=args.only))
         command = f"rlx bench algorithms --steps {args.steps} --work-dir {args.work_dir}"
     elif args.what == "staleness":
-        from rlx.bench.staleness import format_table, run_staleness_benchmark
+        from rlx.bench.staleness import format_table, parse_cells, run_staleness_benchmark
         from rlx.orchestration.async_run import run_async
 
-        results = run_staleness_benchmark(Path(args.work_dir), args.steps, args.eval_size, run_async)
+        results = run_staleness_benchmark(Path(args.work_dir), args.steps, args.eval_size, run_async,
+                                          cells=parse_cells(args.cells))
         table = format_table(results)
         command = f"rlx bench staleness --steps {args.steps} --eval-size {args.eval_size} --work-dir {args.work_dir}"
     else:
@@ -226,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--only", action="append", help="algorithms: run just this one (repeatable); the table "
                        "keeps earlier results found in --work-dir")
     bench.add_argument("--eval-size", type=int, default=1000, help="staleness: held-out problems per evaluation")
+    bench.add_argument("--cells", help="staleness: run only these max_staleness:correction pairs (all seeds), "
+                       "e.g. 0:none,4:decoupled; finished cells found in --work-dir stay in the table")
     bench.add_argument("--out", help="default docs/benchmarks.md (algorithms, staleness: docs/algorithms.md)")
     bench.set_defaults(func=_bench)
 

@@ -69,10 +69,19 @@ def policy_objective(
     )
     if weight is not None:
         metrics["behavior_weight_mean"] = token_share(weight)
+    if "rollout_logprobs" in fields:
+        metrics["behavior_kl"] = token_share(behavior_kl(logprobs, fields["rollout_logprobs"]))
     return loss, metrics
 
 
-TOKEN_SHARE_METRICS = ("clip_fraction", "ratio_mean", "behavior_weight_mean")
+def behavior_kl(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(mu || pi) on tokens sampled from the behaviour policy mu:
+    r - 1 - log r with r = pi / mu, >= 0, detached. How far off-policy a step's samples are."""
+    log_ratio = (logprobs.detach() - behavior_logprobs).clamp(-20.0, 20.0)
+    return torch.expm1(log_ratio) - log_ratio
+
+
+TOKEN_SHARE_METRICS = ("clip_fraction", "ratio_mean", "behavior_weight_mean", "behavior_kl")
 
 
 def loss_scale(aggregation: str, tokens: float, sequences: float) -> float:

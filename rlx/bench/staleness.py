@@ -27,6 +27,20 @@ TARGET_GAP = 0.03  # the default correction at staleness 4 within this of the on
 Cell = tuple[int, str, int]  # (max_staleness, correction, seed)
 
 
+def parse_cells(text: str | None) -> list[Cell] | None:
+    """`--cells 0:none,4:decoupled` -> those (staleness, correction) pairs, each with every seed."""
+    if not text:
+        return None
+    cells = []
+    for item in text.split(","):
+        staleness, _, correction = item.partition(":")
+        if not staleness.isdigit() or correction not in CORRECTIONS:
+            raise ValueError(f"--cells item {item!r} is not <max_staleness>:<correction> with correction one of "
+                             f"{', '.join(CORRECTIONS)} (e.g. 4:decoupled)")
+        cells.extend((int(staleness), correction, seed) for seed in SEEDS)
+    return cells
+
+
 def cell_dir(work_dir: Path, cell: Cell) -> Path:
     staleness, correction, seed = cell
     return work_dir / f"s{staleness}-{correction}-seed{seed}"
@@ -63,12 +77,14 @@ def mean_and_half_width(values: list[float]) -> tuple[float, float]:
 
 def run_staleness_benchmark(work_dir: Path, steps: int, eval_size: int, run: Callable[..., Path],
                             cells: Iterable[Cell] | None = None) -> dict[Cell, dict[str, float]]:
-    """Run every unfinished cell with `run(config, overwrite=True, echo=...)` (the async trainer) and
-    return the results of all finished ones."""
+    """Run every unfinished cell of `cells` (default: the whole grid) with `run(config, overwrite=True,
+    echo=...)`, the async trainer; return the results of every finished cell of the grid."""
+    grid = [(s, c, seed) for s in STALENESS for c in CORRECTIONS for seed in SEEDS]
+    selected = set(grid if cells is None else cells)
     results = {}
-    for cell in cells or [(s, c, seed) for s in STALENESS for c in CORRECTIONS for seed in SEEDS]:
+    for cell in sorted(set(grid) | selected, key=lambda cell: (cell[0], CORRECTIONS.index(cell[1]), cell[2])):
         result = cell_result(cell_dir(work_dir, cell))
-        if result is None:
+        if result is None and cell in selected:
             config = load_config(BASE_CONFIG, cell_overrides(cell, work_dir, steps, eval_size))
             result = cell_result(run(config, overwrite=True, echo=lambda _: None))
         if result is not None:
@@ -80,7 +96,7 @@ def format_table(results: dict[Cell, dict[str, float]]) -> str:
     lines = ["| max_staleness | correction | seeds | held-out gain (95% CI) | mean staleness reached "
              "| behaviour→current KL |", "|---|---|---|---|---|---|"]
     gains: dict[tuple[int, str], float] = {}
-    for staleness in STALENESS:
+    for staleness in sorted({s for s, _, _ in results}):
         for correction in CORRECTIONS:
             cell = [r for (s, c, _), r in results.items() if (s, c) == (staleness, correction)]
             if not cell:

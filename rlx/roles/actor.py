@@ -88,7 +88,8 @@ class Actor(Trainable):
 
     def _batch(self, samples: list[Sample]) -> TokenBatch:
         per_token = {"advantages": [s.token_advantages or [s.advantage] * len(s.response_ids) for s in samples]}
-        if self.config.resolved_correction != "none":
+        recorded = all(len(s.rollout_logprobs) == len(s.response_ids) for s in samples)
+        if recorded or self.config.resolved_correction != "none":  # a correction needs them; else for the metric
             per_token["rollout_logprobs"] = [s.rollout_logprobs for s in samples]
         if self.config.kl_coef > 0:
             per_token["ref_logprobs"] = [s.ref_logprobs for s in samples]

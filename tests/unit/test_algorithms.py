@@ -383,3 +383,12 @@ def test_registry_duplicate_registration_raises():
         reg.register("a")(max)
     assert reg.get("a") is len
     assert reg.names() == ["a"]
+
+
+def test_behavior_kl_is_k3_of_the_behaviour_over_the_current_policy():
+    from rlx.algorithms.objective import behavior_kl
+
+    current = torch.log(torch.tensor([[0.5, 0.2]]))
+    behaviour = torch.log(torch.tensor([[0.5, 0.4]]))
+    # r = pi/mu: 1 (no divergence), then 0.5: 0.5 - 1 - log 0.5 = 0.19315
+    assert torch.allclose(behavior_kl(current, behaviour), torch.tensor([[0.0, 0.5 - 1 - math.log(0.5)]]), atol=1e-6)

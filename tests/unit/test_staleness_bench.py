@@ -48,3 +48,11 @@ def test_a_gap_past_the_target_is_reported_as_not_met(tmp_path):
     results = {(0, "none", 0): {"gain": 0.25, "staleness": 0.0, "behavior_kl": 0.0},
                (4, "decoupled", 0): {"gain": 0.10, "staleness": 3.5, "behavior_kl": 0.05}}
     assert "not met" in format_table(results)
+
+
+def test_cells_name_staleness_and_correction_and_take_every_seed():
+    from rlx.bench.staleness import parse_cells
+
+    assert parse_cells("4:decoupled") == [(4, "decoupled", 0), (4, "decoupled", 1), (4, "decoupled", 2)]
+    with pytest.raises(ValueError, match="'4:ppo' is not <max_staleness>:<correction>"):
+        parse_cells("4:ppo")
