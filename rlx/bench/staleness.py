@@ -93,8 +93,8 @@ def run_staleness_benchmark(work_dir: Path, steps: int, eval_size: int, run: Cal
 
 
 def format_table(results: dict[Cell, dict[str, float]]) -> str:
-    lines = ["| max_staleness | correction | seeds | held-out gain (95% CI) | mean staleness reached "
-             "| behaviour→current KL |", "|---|---|---|---|---|---|"]
+    lines = [("| max_staleness | correction | seeds | held-out gain (95% CI) | mean staleness reached "
+              "| behaviour→current KL |"), "|---|---|---|---|---|---|"]
     gains: dict[tuple[int, str], float] = {}
     for staleness in sorted({s for s, _, _ in results}):
         for correction in CORRECTIONS:
