@@ -3,7 +3,9 @@
 It replaces a pickle: loading a run directory must never run code. JSON alone loses what the bus
 snapshot holds, so a few tagged objects keep it exact: `{"__tuple__": [...]}` for tuples,
 `{"__dict__": [[key, value], ...]}` for dicts with non-string keys (ints, tuples), and
-`{"__tensor__": "t0"}` for a tensor stored under that name in `run_state.safetensors`. Floats
+`{"__tensor__": "t0"}` for a tensor stored under that name in `run_state.safetensors`, and
+`{"__fraction__": [numerator, denominator]}` for the exact fractions task metadata carries
+(reasoning-gym's gsm_symbolic). Floats
 round-trip exactly (shortest repr, NaN and infinities included); NumPy scalars become Python
 numbers, the one type change.
 """
@@ -11,6 +13,7 @@ numbers, the one type change.
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +27,8 @@ from rlx.errors import UserError
 
 FORMAT = 2
 STATE_FILE, TENSOR_FILE, LEGACY_FILE = "run_state.json", "run_state.safetensors", "run_state.pkl"
-TUPLE, DICT, TENSOR = "__tuple__", "__dict__", "__tensor__"
-_TAGS = (TUPLE, DICT, TENSOR)
+TUPLE, DICT, TENSOR, FRACTION = "__tuple__", "__dict__", "__tensor__", "__fraction__"
+_TAGS = (TUPLE, DICT, TENSOR, FRACTION)
 
 
 class RunStateError(UserError):
@@ -51,8 +54,10 @@ class _Encoder:
             return {TENSOR: name}
         if isinstance(value, np.generic):
             return self.encode(value.item(), where)
+        if isinstance(value, Fraction):
+            return {FRACTION: [value.numerator, value.denominator]}
         raise RunStateError(f"run state {where}: a {type(value).__name__} cannot be stored (allowed: None, bool, "
-                            "int, float, str, list, tuple, dict, torch.Tensor); put plain data on the bus")
+                            "int, float, str, Fraction, list, tuple, dict, torch.Tensor); put plain data on the bus")
 
     def _dict(self, value: dict, where: str) -> Any:
         keys = list(value)
@@ -74,6 +79,8 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
             return tuple(_decode(v, tensors) for v in body)
         if tag == DICT:
             return {_decode(k, tensors): _decode(v, tensors) for k, v in body}
+        if tag == FRACTION:
+            return Fraction(*body)
         if tag == TENSOR:
             if body not in tensors:
                 raise RunStateError(f"{STATE_FILE} refers to tensor {body!r}, which {TENSOR_FILE} lacks: the "

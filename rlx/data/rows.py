@@ -72,4 +72,21 @@ def validate_row(raw: Any, where: str, prompt_key: str, label_key: str, metadata
     metadata = raw.get(metadata_key) or {}
     if not isinstance(metadata, dict):
         raise DataError(f"{where}: {metadata_key!r} must be an object, got {type(metadata).__name__}")
+    if (path := _not_json(metadata, metadata_key)) is not None:
+        raise DataError(f"{where}: {path} is not JSON data (str, number, bool, null, list, object): metadata travels "
+                        "with every sample and into checkpoints; store it as a string or a number")
     return PromptRow(prompt=prompt, label=str(label), metadata=dict(metadata), source=where)
+
+
+def _not_json(value: Any, path: str) -> str | None:
+    """The path of the first value inside `value` that is not plain JSON data, or None."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{path} key {key!r}"
+            if (found := _not_json(item, f"{path}.{key}")) is not None:
+                return found
+        return None
+    if isinstance(value, list):
+        return next((found for i, item in enumerate(value) if (found := _not_json(item, f"{path}[{i}]"))), None)
+    return None if value is None or isinstance(value, (str, int, float)) else f"{path} ({type(value).__name__})"

@@ -364,3 +364,19 @@ def test_gym_eval_space_exhausted():
     params = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     with pytest.raises(DataError, match="eval_size"):
         gym_splits("chain_sum", params, train_size=3000, eval_size=100, seed=0)
+
+
+def test_metadata_that_is_not_json_data_is_named_at_load(tmp_path):
+    import datetime
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlx.data.files import load_rows
+    from rlx.errors import DataError
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"prompt": ["q"], "label": ["a"],
+                             "metadata": [{"when": datetime.datetime(2026, 1, 1), "n": 1}]}), path)
+    with pytest.raises(DataError, match=r"metadata\.when \(datetime\) is not JSON data"):
+        load_rows(path, "parquet", "prompt", "label", "metadata")

@@ -38,6 +38,12 @@ class Window:
     def last_row(self) -> None:
         land(self.bus, 1)
 
+    def new_group(self) -> None:
+        """A rollout takes the next group and lands all its rows while the checkpoint runs."""
+        [(group, _)] = self.source.take(1, "rollout-1", version=0)
+        land(self.bus, group)
+        land(self.bus, group)
+
     def finish(self) -> None:
         self.source.finished("rollout-1", [1])
 
@@ -77,6 +83,16 @@ def test_prompts_first_then_bus_never_strands_a_group(between, after):
     state = capture_run_state(bus=window, prompts=window)
     for name in after:
         getattr(window, name)()
+    assert stranded(state) == []
+
+
+def test_a_group_taken_between_the_snapshots_is_made_once_after_resume():
+    window = Window()
+    window.between = [window.new_group]
+    state = capture_run_state(bus=window, prompts=window)
+    bus_state, prompts_state = resume_plan(state, N, OUTPUTS, RETAKE)
+    assert 2 not in [row[1] for row in bus_state["rows"]]  # its rows leave the bus ...
+    assert prompts_state["position"] == 2  # ... and the resumed source hands group 2 out again
     assert stranded(state) == []
 
 

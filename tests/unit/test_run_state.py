@@ -83,6 +83,16 @@ def test_tricky_keys_and_values_round_trip():
     assert_same(decode_run_state(encode_run_state(state)), state)
 
 
+def test_task_metadata_of_every_built_in_reasoning_gym_task_round_trips():
+    from rlx.config import build_config
+    from rlx.data import load_splits
+
+    for task in ("chain_sum", "basic_arithmetic", "countdown", "gsm_symbolic"):  # gsm_symbolic holds Fractions
+        rows, _ = load_splits(build_config({"data": {"task": task, "train_size": 20, "eval_size": 2}}).data)
+        metadata = [row.metadata for row in rows]
+        assert decode_run_state(encode_run_state({"metadata": metadata}))["metadata"] == metadata, task
+
+
 def test_numpy_scalars_become_python_numbers():
     decoded = decode_run_state(encode_run_state({"reward": np.float32(0.5), "count": np.int64(3)}))
     assert decoded == {"reward": 0.5, "count": 3} and type(decoded["count"]) is int
