@@ -105,7 +105,10 @@ class AsyncRun:
             self.scaling.release()
 
     def checkpoint(self) -> str:
+        """The Actor's checkpoint now, and the Critic's beside it (it also checkpoints on its own clock)."""
         state = {"data_position": self.controller.prompts.state()["position"], "totals": {}}
+        if "critic" in self.controller.handles:
+            self.controller.call_service("critic", "invoke_worker", "save_checkpoint")
         return self.controller.call_service("actor", "invoke_worker", "save_checkpoint", str(self.run_dir), state)
 
     def stop(self) -> None:

@@ -274,8 +274,8 @@ def critic_worker(config: RunConfig, plan: RolePlan, critic: Critic, bus,
 def logprob_worker(config: RunConfig, plan: RolePlan, task: str, role: Reference, bus,
                    sync_weights: Callable[[], None] = lambda: None) -> LogProbWorker:
     """The worker of a forward-only role (Reference, Teacher, ActorFwd), named after its bus task."""
-    return LogProbWorker(task, role, bus, config.train.micro_batch_size, plan.inputs(task), plan.outputs(task),
-                         before_batch=sync_weights)
+    return LogProbWorker(task, role, bus, config.train.micro_batch_size, plan.inputs(task), plan.primary_output(task),
+                         plan.outputs(task), before_batch=sync_weights)
 
 
 def build_workers(c: Components, bus, sync_weights: Callable[[], None],

@@ -59,6 +59,7 @@ class Controller:
         self.handles: dict[str, Any] = {}
         self.rollout_replicas = config.initial_rollout_replicas
         self.started_ray = False
+        self.weights: WeightSync | None = None  # the weight coordinator, once the substrate is up
 
     def start_substrate(self, run_dir: Path, resume_from: Path | None = None) -> None:
         """`resume_from`: a checkpoint whose bus and prompt-source state the run continues from."""
@@ -144,8 +145,10 @@ class Controller:
         if ray.is_initialized():
             if self.started_ray:
                 serve.shutdown()
-            else:  # a shared cluster: remove this run's applications only
-                for role in self.handles:
+            else:  # a shared cluster: remove this run's applications only (deleting a missing one is a no-op)
+                for role in self.plan.role_names:
                     serve.delete(self.app_name(role))
+                if self.weights is not None:
+                    self.weights.close()
         if self.started_ray:
             stop_ray()

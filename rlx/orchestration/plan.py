@@ -36,7 +36,8 @@ def always(_: RunConfig) -> bool:
 class FieldSpec:
     """One bus field. `shape` names its dimensions (`T`: one entry per response token, `P`: per
     prompt token); `scope` is `row` (one value per sample) or `group` (one per prompt group, shared
-    by its samples); `needed_when`: the readers cannot work without it under this condition."""
+    by its samples); `needed_when`: the readers cannot work without it under this condition;
+    `primary`: the field that says its writing task is done with a row (one per consuming task)."""
 
     name: str
     writer: str
@@ -45,6 +46,7 @@ class FieldSpec:
     shape: tuple[str, ...] = ()
     scope: Literal["row", "group"] = "row"
     needed_when: Condition | None = None
+    primary: bool = False
 
     @property
     def token_aligned(self) -> bool:
@@ -69,19 +71,20 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("prompt_text", ROLLOUT, ("reward",), "str"),
     FieldSpec("label", ROLLOUT, ("reward",), "str"),
     FieldSpec("metadata", ROLLOUT, ("reward",), "json"),
-    FieldSpec("reward", "reward", ("advantages", "train"), "float32", needed_when=always),
+    FieldSpec("reward", "reward", ("advantages", "train"), "float32", needed_when=always, primary=True),
     FieldSpec("reward_error", "reward", ("advantages", "train"), "str"),
     FieldSpec("values", "critic", ("advantages", "critic_train"), "float32", ("T",),
-              needed_when=lambda c: c.uses_critic),
+              needed_when=lambda c: c.uses_critic, primary=True),
     FieldSpec("teacher_logprobs", "teacher", ("advantages", "train"), "float32", ("T",),
-              needed_when=lambda c: c.algorithm.advantage == "none"),
-    FieldSpec("advantage", "advantages", ("train",), "float32", needed_when=always),
+              needed_when=lambda c: c.algorithm.advantage == "none", primary=True),
+    FieldSpec("advantage", "advantages", ("train",), "float32", needed_when=always, primary=True),
     FieldSpec("token_advantages", "advantages", ("train",), "float32", ("T",)),
     FieldSpec("returns", "advantages", ("critic_train",), "float32", ("T",)),
     FieldSpec("filter_reason", "advantages", ("reference", "critic_train", "train"), "str"),
     FieldSpec("ref_logprobs", "reference", ("train",), "float32", ("T",),
-              needed_when=lambda c: c.algorithm.kl_coef > 0),
-    FieldSpec("old_logprobs", "actor_fwd", ("train",), "float32", ("T",), needed_when=_uses_actor_fwd),
+              needed_when=lambda c: c.algorithm.kl_coef > 0, primary=True),
+    FieldSpec("old_logprobs", "actor_fwd", ("train",), "float32", ("T",), needed_when=_uses_actor_fwd,
+              primary=True),
     FieldSpec("proximal_version", "actor_fwd", ("train",), "int64"),
 )
 
@@ -149,10 +152,14 @@ class RolePlan:
     def stateful_roles(self) -> frozenset[str]:
         return frozenset(role.name for role in self.roles if role.stateful)
 
+    def primary_output(self, task: str) -> str:
+        """The field whose presence on a row says `task` is done with it (a log-prob role's result)."""
+        return next(f.name for f in self.fields if f.writer == task and f.primary)
+
     @property
     def task_outputs(self) -> dict[str, str]:
-        """Each writing task -> the field whose presence on a row says the task is done with it."""
-        return {task: self.outputs(task)[0] for task in self.tasks if task != ROLLOUT and self.outputs(task)}
+        """Each writing task -> its primary output field."""
+        return {task: self.primary_output(task) for task in self.tasks if task != ROLLOUT and self.outputs(task)}
 
     @property
     def unfinished_work(self) -> dict[str, list[tuple[str, str | None]]]:
@@ -196,6 +203,11 @@ def build_plan(config: RunConfig, roles: tuple[RoleSpec, ...] = ROLES,
                             "it, or change the setting that makes it needed")
     if problems:
         raise ConfigError("the roles of this config do not fit together:\n  " + "\n  ".join(problems))
+    for task in {spec.writer for spec in fields} - {ROLLOUT}:
+        primaries = [spec.name for spec in fields if spec.writer == task and spec.primary]
+        if len(primaries) != 1:
+            raise ConfigError(f"task {task!r} must mark exactly one field it writes as primary (the one that says "
+                              f"it is done with a row); it marks {primaries}")
     plan = RolePlan(active, tuple(spec for spec in fields if spec.writer in tasks))
     plan.phase_order  # noqa: B018 -- a cycle of reads and writes raises here, at config time
     return plan

@@ -272,6 +272,7 @@ class CriticWorker(Worker):
         super().__init__("critic")
         self.role, self.bus, self.final_tasks = role, bus, final_tasks
         self.value_inputs, self.train_inputs = value_inputs, train_inputs
+        self.lock = threading.RLock()  # a checkpoint asked from outside waits for the current unit of work
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
         self.remaining: int | None = None  # rows left in the open training step
         self.reports = StepReports()
@@ -303,12 +304,19 @@ class CriticWorker(Worker):
             step = self.role.version
             self.reports.add({**metrics, "critic_step": float(step)})
             if self.checkpoints.due(step):
-                self._timed(lambda: self.role.save(checkpoint_path(self.checkpoints.run_dir, step, "critic"), {}))
+                self._timed(self.save_checkpoint)
         self.items += len(rows)
         return len(rows)
 
     def work_once(self) -> int:
-        return self._values() + self._train()
+        with self.lock:
+            return self._values() + self._train()
+
+    def save_checkpoint(self) -> None:
+        """The value model and its optimizer at the Critic's own step, into `checkpoints/critic/`."""
+        if self.checkpoints.run_dir is not None:
+            with self.lock:
+                self.role.save(checkpoint_path(self.checkpoints.run_dir, self.role.version, "critic"), {})
 
     def reported_after(self, cursor: Cursor | None) -> list[tuple[Cursor, dict[str, float]]]:
         """The Critic's finished steps the driver does not hold yet (see `StepReports`)."""
@@ -317,14 +325,14 @@ class CriticWorker(Worker):
 
 class LogProbWorker(Worker):
     """Forward-only log-probs of each sample's response (Reference and ActorFwd: trainable ones only;
-    Teacher: all, since advantages need them). `outputs[0]` receives the log-probs; a
-    `proximal_version` output records the weight version they were computed with (ActorFwd)."""
+    Teacher: all, since advantages need them). `output` receives the log-probs; a
+    `proximal_version` among `outputs` records the weight version they were computed with (ActorFwd)."""
 
-    def __init__(self, name: str, role: Reference, bus, batch_size: int, inputs: list[str], outputs: list[str],
-                 before_batch: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, name: str, role: Reference, bus, batch_size: int, inputs: list[str], output: str,
+                 outputs: list[str], before_batch: Callable[[], None] = lambda: None) -> None:
         super().__init__(name)
         self.role, self.bus, self.batch_size = role, bus, batch_size
-        self.inputs, self.outputs, self.before_batch = inputs, outputs, before_batch
+        self.inputs, self.output, self.outputs, self.before_batch = inputs, output, outputs, before_batch
 
     def work_once(self) -> int:
         rows, values = self.bus.poll(self.name, self.inputs, self.batch_size, self.poll_timeout_s, partial=True)
@@ -334,7 +342,7 @@ class LogProbWorker(Worker):
         samples = to_samples(rows, values)
         trainable = [s for s in samples if s.filter_reason is None]
         logprobs = iter(self._timed(lambda: self.role.logprobs(trainable)) if trainable else [])
-        written = {self.outputs[0]: [next(logprobs) if s.filter_reason is None else None for s in samples]}
+        written = {self.output: [next(logprobs) if s.filter_reason is None else None for s in samples]}
         if "proximal_version" in self.outputs:
             written["proximal_version"] = [self.role.weight_version] * len(samples)
         self.bus.put_fields(rows, written)

@@ -99,6 +99,18 @@ def test_a_cycle_of_reads_is_a_config_error():
         build_plan(build_config({}), fields=(*FIELDS, echo))
 
 
+def test_the_done_field_is_marked_not_taken_from_declaration_order():
+    plan = plan_of(train={"mode": "async", "max_staleness": 1})  # auto: decoupled, so ActorFwd runs
+    assert plan.primary_output("actor_fwd") == "old_logprobs"
+    reordered = tuple(sorted(FIELDS, key=lambda f: f.name != "proximal_version"))  # proximal_version first
+    assert build_plan(build_config({"train": {"mode": "async", "max_staleness": 1}}),
+                      fields=reordered).task_outputs["actor_fwd"] == "old_logprobs"
+    unmarked = tuple(FieldSpec(f.name, f.writer, f.readers, f.dtype, f.shape) if f.name == "reward" else f
+                     for f in FIELDS)
+    with pytest.raises(ConfigError, match="'reward' must mark exactly one field"):
+        build_plan(build_config({}), fields=unmarked)
+
+
 def test_every_field_has_a_schema_and_token_fields_say_so():
     by_name = {f.name: f for f in FIELDS}
     assert by_name["loss_mask"].token_aligned and by_name["ref_logprobs"].token_aligned
