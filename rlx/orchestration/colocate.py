@@ -157,5 +157,7 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
     finally:
         bar.close()
         writer.close()
+        for worker in set(workers.by_task.values()):
+            worker.stop()  # releases what each holds (the Reward's process pool)
     plot_run(run_dir)
     return run_dir

@@ -183,7 +183,9 @@ class RewardWorker(Worker):
         self.batch_size, self.concurrency = batch_size, 1 if unit == "batch" else concurrency
         self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="rlx-reward")
         self.in_flight: set[Future] = set()
-        if hasattr(role, "close"):  # the Reward role's process pool ends with the worker
+        # scoring threads finish (queued units are dropped) before the Reward role's process pool ends
+        self.on_stop.append(lambda: self.pool.shutdown(wait=True, cancel_futures=True))
+        if hasattr(role, "close"):
             self.on_stop.append(role.close)
 
     def status(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ The pool itself starts no threads.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -84,7 +85,8 @@ class _Worker:
         path = os.pathsep.join(filter(None, [_RLX_ROOT, os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path}
         self.proc = subprocess.Popen([sys.executable, "-m", "rlx.rewards.pool_process", str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)  # its own process group: see `kill`
         theirs.close()
         self.conn = Connection(ours.detach())
         self.ready = False
@@ -126,8 +128,12 @@ class _Worker:
             return None
 
     def kill(self) -> None:
+        """The worker and whatever it started (a reward that runs a program): its whole process group."""
         self.conn.close()
-        self.proc.kill()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # already gone
+            pass
         self.proc.wait()
 
     def stop(self) -> None:

@@ -31,6 +31,17 @@ FAULTS: dict[str, Callable[[], Any]] = {
 }
 
 
+def starts_a_program_and_hangs(completion: str, label: str, metadata: dict[str, Any]) -> float:
+    """A code-running reward whose program never ends: its pid goes to `metadata["pid_file"]`."""
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(metadata["pid_file"], "w") as out:
+        out.write(str(child.pid))
+    time.sleep(600)
+    return 0.0
+
+
 def _contains(completion: str, label: str) -> float:
     return float(label in completion)
 

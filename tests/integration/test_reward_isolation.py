@@ -94,6 +94,19 @@ def test_workers_stay_warm_and_a_timed_out_one_is_replaced(pool):
     _assert_only_pool_children(pool)
 
 
+def test_a_killed_reward_takes_the_programs_it_started_with_it(pool, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    reward = Reward(build_reward(f"{BAD}:starts_a_program_and_hangs", "none"), timeout_s=3.0, pool=pool)
+    [sample] = reward.score([Sample(uid=0, group_id=0, response_text="x", label="x",
+                                    metadata={"pid_file": str(pid_file)})])
+    assert "reward.timeout_s" in sample.reward_error
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the reward's own program outlived the killed reward"
+        time.sleep(0.1)
+
+
 def test_a_pool_process_ends_itself_after_its_deadline():
     """If the pool dies mid-call, its process still ends: a kernel alarm, even with the GIL held."""
     worker = _Worker()
