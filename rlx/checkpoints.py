@@ -181,6 +181,18 @@ def newest_complete(folder: Path, run_dir: Path) -> Path | None:
     return None
 
 
+def settled(path: Path) -> Path:
+    """`path` under its final name: a `.partial` or `.old` checkpoint that `newest_complete` chose
+    (a save cut short by a crash) takes its step's name, and the other leftovers go. For a run
+    that continues from it, so the next saves and resumes see one checkpoint per step."""
+    match = _STEP.match(path.name)
+    if match is None:
+        return path
+    final = path.with_name(path.name.removesuffix(match.group(2) or ""))
+    _settle(final)
+    return final
+
+
 # -- export --------------------------------------------------------------------------------------
 def exportable(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in EXPORT_PATTERNS)

@@ -192,7 +192,7 @@ class AsyncRun:
     # -- the loop --------------------------------------------------------------------------------
     def run(self, writer: MetricsWriter, started: float, resume: bool) -> None:
         cfg, t, c = self.config, self.config.train, self.controller
-        checkpoint = latest_checkpoint(self.run_dir) if resume else None
+        checkpoint = latest_checkpoint(self.run_dir, resuming=True) if resume else None
         c.start_substrate(self.run_dir, checkpoint)
         evaluator = DriverEvaluator(cfg, c.weights)
         if checkpoint is None:

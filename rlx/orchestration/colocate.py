@@ -107,7 +107,7 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
         return evaluate(c.rollout, c.reward, c.eval_rows, c.encode, c.sampling(seed=0, greedy=True))
 
     if resume:
-        checkpoint = latest_checkpoint(run_dir)
+        checkpoint = latest_checkpoint(run_dir, resuming=True)
         state = c.actor.load(checkpoint)
         if c.critic is not None:
             c.critic.load(checkpoint / "critic")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rlx.checkpoints import CheckpointError, fsync_tree, is_legacy, newest_complete, write_marker
+from rlx.checkpoints import CheckpointError, fsync_tree, is_legacy, newest_complete, settled, write_marker
 from rlx.config import RunConfig
 from rlx.errors import UserError
 from rlx.run_state import LEGACY_FILE, save_run_state
@@ -79,10 +79,12 @@ def checkpoint_path(run_dir: Path, step: int, role: str | None = None) -> Path:
     return run_dir / CHECKPOINTS / (role or "") / f"step_{step:06d}"
 
 
-def latest_checkpoint(run_dir: Path, role: str | None = None) -> Path | None:
+def latest_checkpoint(run_dir: Path, role: str | None = None, resuming: bool = False) -> Path | None:
     """The newest complete checkpoint (incomplete ones, without their marker, are skipped; an
-    old-format one is an error naming `rlx convert-run`)."""
-    return newest_complete(run_dir / CHECKPOINTS / (role or ""), run_dir)
+    old-format one is an error naming `rlx convert-run`). `resuming`: the run continues from it, so
+    a save a crash cut short is finished first (`settled`); readers (eval, export) change nothing."""
+    newest = newest_complete(run_dir / CHECKPOINTS / (role or ""), run_dir)
+    return settled(newest) if resuming and newest is not None else newest
 
 
 # -- converting a run directory of the old format ------------------------------------------------

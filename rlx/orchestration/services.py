@@ -96,7 +96,7 @@ def _actor(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
                           max_staleness=cfg.train.max_staleness, max_steps=cfg.train.steps, checkpoints=checkpoints)
     # A resumed run, or a global recovery after the Actor was lost mid-run, starts from the newest
     # checkpoint; the rollback publish makes every engine drop weights newer than it.
-    checkpoint = latest_checkpoint(Path(shared.run_dir)) if shared.run_dir else None
+    checkpoint = latest_checkpoint(Path(shared.run_dir), resuming=True) if shared.run_dir else None
     if checkpoint is not None:
         actor.load(checkpoint)
         worker.restore(load_run_state(checkpoint))
@@ -111,7 +111,7 @@ def _critic(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     critic = build_critic(cfg)
     checkpoints = Checkpointing(run_dir_of(shared), cfg.train.checkpoint_every)
     worker = critic_worker(cfg, plan, critic, shared.bus, checkpoints)
-    checkpoint = latest_checkpoint(Path(shared.run_dir), "critic") if shared.run_dir else None
+    checkpoint = latest_checkpoint(Path(shared.run_dir), "critic", resuming=True) if shared.run_dir else None
     if checkpoint is not None:
         critic.load(checkpoint)
     return worker

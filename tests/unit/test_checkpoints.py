@@ -19,6 +19,7 @@ from rlx.checkpoints import (
     CheckpointError,
     export_checkpoint,
     newest_complete,
+    settled,
     staged_checkpoint,
 )
 from rlx.config import TrainConfig
@@ -90,8 +91,12 @@ def test_a_crash_at_any_step_of_a_resave_leaves_the_old_or_the_new_checkpoint(tm
         code = crash_at(k, final, "new")
         found = newest_complete(folder, tmp_path)
         assert found is not None and found.name.startswith("step_000005"), (k, found)
-        seen.add(version_of(found))
-        save(final, "again")  # the next save settles whatever the crash left
+        version = version_of(found)
+        seen.add(version)
+        resumed = settled(found)  # a run resuming from it finishes the cut-short save first
+        assert resumed == final and version_of(final) == version, k
+        assert sorted(p.name for p in folder.iterdir()) == ["step_000004", "step_000005"], k
+        save(final, "again")  # the next save of that step replaces it whole
         assert sorted(p.name for p in folder.iterdir()) == ["step_000004", "step_000005"], k
         assert version_of(final) == "again" and (final / MARKER).exists()
         if code == 0:
