@@ -146,12 +146,15 @@ class Guard:
             if body is None:
                 await reply(send, 413, f"request body over {self.max_body_bytes} bytes")
                 return
+            if body is GONE:  # the client left mid-body: an aborted stop or checkpoint never runs
+                return
             await self.app(scope, replay(body, receive), send)
         finally:
             self.active -= 1
 
     async def read_body(self, scope: Scope, receive: Receive) -> bytes | None:
-        """The whole body, or None once it is over the limit (by Content-Length, or by what arrives)."""
+        """The whole body; None once it is over the limit (by Content-Length, or by what arrives);
+        `GONE` if the client disconnected before sending all of it."""
         declared = header(scope, b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             return None
@@ -159,13 +162,16 @@ class Guard:
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client went away
-                return b""
+                return GONE
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body_bytes:
                 return None
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+GONE = b"<the client disconnected>"  # compared by identity: no real body is this object
 
 
 def replay(body: bytes, receive: Receive) -> Receive:

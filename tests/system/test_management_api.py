@@ -132,6 +132,16 @@ def test_a_body_over_the_limit_is_413_even_without_a_length(api):
                          timeout=10).json() == {"replicas_before": 1, "replicas": 2}
 
 
+def test_a_request_whose_client_leaves_mid_body_never_runs(api):
+    server, control, auth = api
+    head = (f"POST /v1/stop HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 40\r\n"
+            f"Authorization: {auth['Authorization']}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head + b"{}")  # 2 of the 40 bytes announced, then the client is gone
+    time.sleep(1.0)
+    assert not control.stopped
+
+
 def test_a_foreign_host_header_is_refused(api):
     server, _, auth = api
     for host, expected in (("evil.example", 421), (f"evil.example:{server.port}", 421), ("127.0.0.2", 421),
