@@ -306,8 +306,8 @@ class TrainConfig(Section):
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="training compute precision. bfloat16: the Actor's and the Critic's forward and "
         "backward run under bf16 autocast, while their weights, gradients and AdamW state stay float32 (rlx keeps "
-        "no bf16 parameters). Reference, Teacher and ActorFwd, whose log-probs enter the loss beside the Actor's, "
-        "load their weights in this dtype")
+        "no bf16 parameters). Reference and Teacher load their weights in this dtype; ActorFwd keeps float32 "
+        "weights under the same autocast as the Actor, so its proximal log-probs match the Actor's own")
     reduce_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype of the gradient reduction across trainer processes. The rlx trainer is one "
         "process: nothing is reduced, and gradients and losses accumulate in float32 whatever this says. bfloat16 "

@@ -122,8 +122,11 @@ def build_reference(config: RunConfig, path: Path) -> Reference | None:
 
 
 def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd:
-    model, tokenizer = load_pretrained(path, config.train.param_dtype, config.resources.device)
-    return ActorFwd(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size)
+    """float32 weights under the trainer's autocast: at the same weight version its log-probs are
+    the Actor's own, so the proximal ratio is exactly 1 there, not bf16 rounding noise."""
+    model, tokenizer = load_pretrained(path, "float32", config.resources.device)
+    return ActorFwd(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size,
+                    bf16=config.train.bf16_autocast)
 
 
 def build_reward_role(config: RunConfig) -> Reward | GenRM:

@@ -14,14 +14,16 @@ class Reference:
     weight_version = 0
 
     def __init__(self, model, pad_token_id: int, temperature: float, micro_batch_size: int,
-                 refresh_every: int = 0) -> None:
+                 refresh_every: int = 0, bf16: bool = False) -> None:
         """`refresh_every` > 0: the reference takes the policy's weights once they are that many
-        versions newer than its own (a periodically reset KL anchor); 0: it stays frozen."""
+        versions newer than its own (a periodically reset KL anchor); 0: it stays frozen. `bf16`:
+        forwards under bf16 autocast, as the trainer runs them (ActorFwd: the same numerics)."""
         self.model = model.eval().requires_grad_(False)
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
         self.refresh_every = refresh_every
+        self.bf16 = bf16
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with torch.no_grad():
@@ -42,7 +44,8 @@ class Reference:
         out = []
         for start in range(0, len(samples), self.micro_batch_size):
             chunk = samples[start : start + self.micro_batch_size]
-            logprobs, _ = token_logprobs(self.model, samples_to_batch(chunk, self.pad_token_id), self.temperature)
+            logprobs, _ = token_logprobs(self.model, samples_to_batch(chunk, self.pad_token_id), self.temperature,
+                                         bf16=self.bf16)
             out.extend(lp[: len(s.response_ids)].tolist() for s, lp in zip(chunk, logprobs))
         return out
 
