@@ -438,7 +438,9 @@ class RunConfig(Section):
         return Path(self.logging.run_dir or Path("runs") / self.logging.name)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """The config as given, plus a comment with what `auto` resolved to (it depends on other sections)."""
+        resolved = f"# algorithm.behavior_correction resolved to {self.algorithm.resolved_correction}\n"
+        return resolved + yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
 GROUP_RELATIVE = ("grpo", "rloo", "reinforce_pp_baseline")
@@ -524,6 +526,15 @@ def config_warnings(c: RunConfig) -> list[str]:
     if c.train.reduce_dtype == "bfloat16":
         warnings.append("train.reduce_dtype=bfloat16 has no effect: the trainer is one process and accumulates "
                         "gradients in float32")
+    judge = c.reward.judge
+    if c.reward.name == "genrm" and c.rollout.engine != "hf" and "engine" not in judge.model_fields_set:
+        warnings.append(f"the GenRM judge runs on its own engine, reward.judge.engine=hf, not the policy's "
+                        f"rollout.engine={c.rollout.engine}: set reward.judge.engine (and engine_options) to change it")
+    res = c.resources
+    if (c.train.mode == "async" and c.algorithm.resolved_correction == "decoupled" and res.actor.num_gpus > 0
+            and res.actor_fwd.num_gpus == 0):
+        warnings.append("decoupled PPO runs an ActorFwd service with a copy of the policy, and "
+                        "resources.actor_fwd.num_gpus=0 while the Actor has GPUs: give it resources.actor_fwd.num_gpus")
     return warnings
 
 

@@ -330,6 +330,11 @@ def test_precision_keys_and_warnings():
     assert config_warnings(RunConfig()) == []
     stale = build_config({"train": {"mode": "async", "max_staleness": 3}, "algorithm": {"behavior_correction": "none"}})
     assert "algorithm.behavior_correction=none with train.max_staleness=3" in config_warnings(stale)[0]
+    judged = build_config({"rollout": {"engine": "sglang"}, "reward": {"name": "genrm"}})
+    assert "reward.judge.engine=hf, not the policy's rollout.engine=sglang" in config_warnings(judged)[0]
+    on_gpus = build_config({"train": {"mode": "async", "max_staleness": 2}, "resources": {"actor": {"num_gpus": 1}}})
+    assert "resources.actor_fwd.num_gpus=0 while the Actor has GPUs" in config_warnings(on_gpus)[0]
+    assert "resolved to decoupled" in on_gpus.to_yaml().splitlines()[0]  # the run directory records it
 
 
 @pytest.mark.parametrize("overrides,lines", [
