@@ -37,8 +37,8 @@ from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.faults import DriverFaults
 from rlx.orchestration.health import HealthManager
 from rlx.orchestration.plan import build_plan
+from rlx.orchestration.reports import Cursor
 from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
-from rlx.orchestration.workers import Cursor
 from rlx.weights.sync import CoordinatorUnavailable, WeightReader, WeightSync
 
 POLL_S = 2.0  # status round trips cost CPU the roles need

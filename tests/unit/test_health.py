@@ -11,15 +11,15 @@ import sys
 import pytest
 
 from rlx.bus import LocalBus
+from rlx.config import RunConfig
 from rlx.data.rows import PromptRow
 from rlx.data.stream import PromptStream
-from rlx.config import RunConfig
 from rlx.orchestration.health import HealthManager, RoleFailed
-from rlx.orchestration.plan import build_plan
 from rlx.orchestration.heartbeats import Heartbeats
+from rlx.orchestration.plan import build_plan
 from rlx.orchestration.prompt_source import PromptSource
+from rlx.orchestration.reports import StepReports
 from rlx.orchestration.staleness import StalenessGate
-from rlx.orchestration.workers import StepReports
 
 N = 2  # responses per prompt
 
