@@ -2,13 +2,15 @@
 `max_staleness` values, each with several behaviour corrections and seeds.
 
 Every cell (staleness, correction, seed) is one async run in its own folder under the work dir. A
-cell whose run finished is read back instead of run again, so the benchmark resumes where it was
-stopped (it takes hours on a CPU). The table gives each gain as the mean over seeds with a 95%
+finished cell's result is recorded as JSON in `RESULTS_DIR`, a folder the repository tracks, and
+read back instead of run again: the benchmark resumes where it stopped, in a later session or on
+another machine (the whole grid takes hours on a CPU). The table gives each gain as the mean over seeds with a 95%
 t-interval, the mean staleness the runs actually reached, and the behaviour-to-current KL.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Callable, Iterable
@@ -18,6 +20,7 @@ from rlx.config import load_config
 from rlx.obs.metrics import read_metrics
 
 BASE_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "chain_sum_smollm2.yaml"
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "docs" / "bench-data" / "staleness"
 STALENESS = (0, 2, 4)
 CORRECTIONS = ("none", "tis", "decoupled")
 SEEDS = (0, 1, 2)
@@ -75,19 +78,31 @@ def mean_and_half_width(values: list[float]) -> tuple[float, float]:
     return mean, T_975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
 
 
+def recorded(results_dir: Path, cell: Cell) -> dict[str, float] | None:
+    path = results_dir / f"{cell_dir(Path(), cell).name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def record(results_dir: Path, cell: Cell, result: dict[str, float]) -> None:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"{cell_dir(Path(), cell).name}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
 def run_staleness_benchmark(work_dir: Path, steps: int, eval_size: int, run: Callable[..., Path],
-                            cells: Iterable[Cell] | None = None) -> dict[Cell, dict[str, float]]:
-    """Run every unfinished cell of `cells` (default: the whole grid) with `run(config, overwrite=True,
-    echo=...)`, the async trainer; return the results of every finished cell of the grid."""
+                            cells: Iterable[Cell] | None = None,
+                            results_dir: Path = RESULTS_DIR) -> dict[Cell, dict[str, float]]:
+    """Run every cell of `cells` (default: the whole grid) that has no result yet with `run(config,
+    overwrite=True, echo=...)`, the async trainer; return the results of every finished cell."""
     grid = [(s, c, seed) for s in STALENESS for c in CORRECTIONS for seed in SEEDS]
     selected = set(grid if cells is None else cells)
     results = {}
     for cell in sorted(set(grid) | selected, key=lambda cell: (cell[0], CORRECTIONS.index(cell[1]), cell[2])):
-        result = cell_result(cell_dir(work_dir, cell))
+        result = recorded(results_dir, cell) or cell_result(cell_dir(work_dir, cell))
         if result is None and cell in selected:
             config = load_config(BASE_CONFIG, cell_overrides(cell, work_dir, steps, eval_size))
             result = cell_result(run(config, overwrite=True, echo=lambda _: None))
         if result is not None:
+            record(results_dir, cell, result)
             results[cell] = result
     return results
 

@@ -34,8 +34,15 @@ def test_finished_cells_are_read_back_and_only_missing_ones_run(tmp_path):
         ran.append(config.train.max_staleness)
         return write_run(config.run_dir, (0.05, 0.28), 3.1, 0.02)
 
+    records = tmp_path / "records"
     results = run_staleness_benchmark(tmp_path, steps=1, eval_size=10, run=fake_run,
-                                      cells=[(0, "none", 0), (4, "decoupled", 0)])
+                                      cells=[(0, "none", 0), (4, "decoupled", 0)], results_dir=records)
+    assert ran == [4]
+    assert sorted(p.name for p in records.iterdir()) == ["s0-none-seed0.json", "s4-decoupled-seed0.json"]
+    for run_dir in tmp_path.glob("s*-seed0"):  # a later session has the records, not the runs
+        (run_dir / "metrics.jsonl").unlink()
+    assert run_staleness_benchmark(tmp_path, steps=1, eval_size=10, run=fake_run, results_dir=records,
+                                   cells=[(4, "decoupled", 0)]) == results
     assert ran == [4]
     assert results[(0, "none", 0)]["gain"] == pytest.approx(0.25)
     assert results[(4, "decoupled", 0)] == {"gain": pytest.approx(0.23), "staleness": 3.1, "behavior_kl": 0.02}
