@@ -68,6 +68,19 @@ def enable_token_auth() -> None:
     """Token mode for this process and every process it starts, with a token they all find."""
     if not os.environ.get(TOKEN_ENV):
         ensure_token_file(token_file())
+    use_token_auth()
+
+
+def join_with_token(address: str) -> None:
+    """Token mode for a driver joining `address`, with the cluster's own token (never a new one)."""
+    if not os.environ.get(TOKEN_ENV) and not token_file().exists():
+        raise ConfigError(f"resources.ray_address={address!r} requires a token and this machine has none: give "
+                          f"the cluster's token in {TOKEN_SOURCES}")
+    use_token_auth()
+
+
+def use_token_auth() -> None:
+    """Switch this process (and what it starts) to Ray's token mode, reading the token afresh."""
     os.environ[AUTH_MODE_ENV] = "token"
     Config.initialize("")  # Ray read its settings at import; let it see the mode now
     AuthenticationTokenLoader.instance().reset_cache()  # a token cached by an earlier cluster is stale
@@ -110,6 +123,7 @@ def start_ray(num_cpus: float | None = None, address: str | None = None,
     if address:
         if not allow_unauthenticated:
             require_token_auth(address)
+            join_with_token(address)
         ray.init(address=address, log_to_driver=False)
         return
     # This variable keeps a single-node cluster on the loopback interface. Ray reads it when it is

@@ -60,6 +60,22 @@ def test_a_local_cluster_refuses_clients_without_its_token(token_cluster):
     require_token_auth(address)  # rlx would join this one
 
 
+JOIN = ("import sys; import ray; from rlx.orchestration.cluster import start_ray; start_ray(address=sys.argv[1]); "
+        "print('joined', ray.cluster_resources()['CPU'])")
+
+
+def test_a_driver_joins_a_token_cluster_with_the_token_it_is_given(token_cluster, tmp_path):
+    address, token_path = token_cluster
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}  # no token mode set by hand
+    joined = subprocess.run([sys.executable, "-c", JOIN, address], check=False, capture_output=True, text=True,
+                            env={**base, "RAY_AUTH_TOKEN_PATH": str(token_path)}, timeout=180)
+    assert joined.returncode == 0 and "joined" in joined.stdout, joined.stderr[-2000:]
+    tokenless = subprocess.run([sys.executable, "-c", JOIN, address], check=False, capture_output=True, text=True,
+                               env={**base, "HOME": str(tmp_path), "RAY_AUTH_TOKEN_PATH": str(tmp_path / "none")},
+                               timeout=180)
+    assert tokenless.returncode != 0 and "requires a token and this machine has none" in tokenless.stderr
+
+
 def test_an_existing_token_file_is_made_owner_only(tmp_path):
     path = tmp_path / "auth_token"
     path.write_text("kept")

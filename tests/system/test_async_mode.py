@@ -25,7 +25,10 @@ def test_async_run_trains_within_staleness_and_leaves_no_processes(tiny_path, tm
     for r in steps:
         assert r["trained_samples"] + r.get("filtered_zero_std_group", 0) + r.get("filtered_stale", 0) == 16
         assert all(int(k.split("_")[1]) <= 1 for k in r if k.startswith("staleness_") and k != "staleness_mean")
-        assert 0 < r["busy_actor"] <= 1 and 0 < r["busy_rollout"] <= 1
+        assert 0 <= r["busy_actor"] <= 1 and 0 <= r["busy_rollout"] <= 1
+    # heartbeats lag the steps by a second or two: a loaded machine can report a step before any beat
+    # that counts its work, so each role must be busy over the run, not at every step
+    assert max(r["busy_actor"] for r in steps) > 0 and max(r["busy_rollout"] for r in steps) > 0
     assert "eval_accuracy" in records[0] and "eval_accuracy" in records[-1]
     assert records[-1]["eval_weight_version"] == 6  # the driver evaluated the trained weights
     assert (run_dir / "checkpoints" / "step_000006" / "model.safetensors").exists()
