@@ -95,7 +95,8 @@ def require_token_auth(address: str) -> None:
                           "resources.ray_allow_unauthenticated=true to join it anyway")
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_PATH_ENV)}
     with tempfile.TemporaryDirectory() as home:  # no ~/.ray/auth_token there
-        env.update({AUTH_MODE_ENV: "disabled", "HOME": home})
+        # this interpreter's import path: a HOME elsewhere hides user site-packages (pip install --user)
+        env.update({AUTH_MODE_ENV: "disabled", "HOME": home, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
         try:
             probe = subprocess.run([sys.executable, "-c", _PROBE, address], check=False, env=env,
                                    capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)

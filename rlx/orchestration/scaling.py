@@ -17,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from rlx.orchestration.api import ScaleRefused, ScaleTimedOut
 
 POLL_S = 0.5
+RESTORE_S = 120.0  # the longest wait for the previous replicas to run again after a failed scale
 
 
 def require_placeable(role: str, per_replica: Mapping[str, float], added: int) -> None:
@@ -49,8 +50,12 @@ def redeploy(target: serve.RunTarget, replicas: int, fallback: serve.RunTarget, 
     deadline = time.monotonic() + timeout_s
     while running_replicas(target.name) != replicas:
         if time.monotonic() > deadline:
-            why = serve.status().applications[target.name].message or "no reason given"
-            serve.run_many([fallback])
+            status = serve.status().applications.get(target.name)
+            why = (status.message if status is not None else "") or "no reason given"
+            serve.run_many([fallback], wait_for_applications_running=False)
+            restore_deadline = time.monotonic() + max(timeout_s, RESTORE_S)  # bounded too, never forever
+            while running_replicas(fallback.name) is None and time.monotonic() < restore_deadline:
+                time.sleep(POLL_S)
             raise ScaleTimedOut(f"{target.name}: {replicas} replica(s) did not all start within {timeout_s:g}s "
                                 f"(Serve: {why}); the previous replicas were put back")
         time.sleep(POLL_S)
