@@ -60,6 +60,11 @@ class DriverEvaluator:
         metrics = evaluate(self.rollout, self.reward, self.rows, self.encode, self.params)
         return {**metrics, "eval_weight_version": float(self.rollout.version)}
 
+    def close(self) -> None:
+        """Release the reward's process pool now, not whenever the garbage collector runs."""
+        if hasattr(self.reward, "close"):
+            self.reward.close()
+
 
 class AsyncRun:
     """One async run, and the RunControl the management API drives."""
@@ -259,6 +264,7 @@ class AsyncRun:
                                f"{len(self.health.recoveries) + len(self.dcs_recoveries)} recoveries")
         finally:
             api.stop()
+            evaluator.close()
 
 
 def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
