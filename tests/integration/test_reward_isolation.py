@@ -40,9 +40,21 @@ def _reward(fn: str, pool: RewardPool, scope: str = "sample") -> Reward:
     return reward
 
 
+def _reward_processes() -> list[psutil.Process]:
+    """This process's reward-pool children (a Ray cluster an earlier test stopped may still be exiting)."""
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if "rlx.rewards.pool_process" in " ".join(child.cmdline()) or child.status() == psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 def _assert_only_pool_children(pool: RewardPool) -> None:
-    """Every child process is a live pool worker: none leaked, none left a zombie."""
-    children = psutil.Process().children()
+    """Every reward process is a live pool worker: none leaked, none left a zombie."""
+    children = _reward_processes()
     assert {c.pid for c in children} <= set(pool.pids())
     assert all(c.status() != psutil.STATUS_ZOMBIE for c in children)
 
