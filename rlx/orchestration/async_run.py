@@ -62,8 +62,7 @@ class DriverEvaluator:
 
     def close(self) -> None:
         """Release the reward's process pool now, not whenever the garbage collector runs."""
-        if hasattr(self.reward, "close"):
-            self.reward.close()
+        self.reward.close()
 
 
 class AsyncRun:

@@ -157,13 +157,12 @@ class RewardWorker(Worker):
         self.in_flight: set[Future] = set()
         # scoring threads finish (queued units are dropped) before the Reward role's process pool ends
         self.on_stop.append(lambda: self.pool.shutdown(wait=True, cancel_futures=True))
-        if hasattr(role, "close"):
-            self.on_stop.append(role.close)
+        self.on_stop.append(role.close)
 
     def status(self) -> dict[str, Any]:
         """Adds the reward function's failures so far, by class (error, timeout, crash, bad_value)."""
-        failures = getattr(self.role, "failures", {})  # GenRM's judge reports none
-        return {**super().status(), **{f"reward_failed_{kind}": count for kind, count in failures.items()}}
+        failures = {f"reward_failed_{kind}": count for kind, count in self.role.failures.items()}
+        return {**super().status(), **failures}
 
     def _score(self, rows: list[int], samples: list[Sample]) -> None:
         self._timed(lambda: self.role.score(samples))

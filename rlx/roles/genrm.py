@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from rlx.data.sample import Sample
@@ -19,6 +20,16 @@ class GenRM:
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
         self.parse, self.max_score, self.params = parse, max_score, params
         self._ids = itertools.count()
+        self._failures: Counter[str] = Counter()
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """Failed samples so far, by class (as the Reward role reports them): unparseable verdicts."""
+        return dict(self._failures)
+
+    def close(self) -> None:
+        """Nothing to release: the judge's engine lives as long as its process (the Reward role's
+        counterpart closes a process pool)."""
 
     def judge_prompt(self, sample: Sample) -> list[int]:
         text = self.template.format(question=sample.prompt_text, response=sample.response_text, label=sample.label)
@@ -38,5 +49,6 @@ class GenRM:
                 sample.reward, sample.reward_error = self.parse(verdict, self.max_score), None
             except ValueError as exc:
                 sample.reward, sample.reward_error = 0.0, f"GenRM: {exc}"
+                self._failures["unparseable"] += 1
         return samples
 
