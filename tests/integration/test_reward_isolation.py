@@ -40,21 +40,27 @@ def _reward(fn: str, pool: RewardPool, scope: str = "sample") -> Reward:
     return reward
 
 
-def _reward_processes() -> list[psutil.Process]:
-    """This process's reward-pool children (a Ray cluster an earlier test stopped may still be exiting)."""
-    found = []
+def _is_reward_process(process: psutil.Process) -> bool:
+    return "rlx.rewards.pool_process" in " ".join(process.cmdline())
+
+
+@pytest.fixture
+def others() -> set[int]:
+    """This process's children that are no reward process when the test starts: a Ray cluster an
+    earlier test stopped may still be exiting, and its processes may turn zombie during the test."""
+    found = set()
     for child in psutil.Process().children():
         try:
-            if "rlx.rewards.pool_process" in " ".join(child.cmdline()) or child.status() == psutil.STATUS_ZOMBIE:
-                found.append(child)
-        except psutil.NoSuchProcess:
-            continue
+            if not _is_reward_process(child):
+                found.add(child.pid)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            found.add(child.pid)
     return found
 
 
-def _assert_only_pool_children(pool: RewardPool) -> None:
+def _assert_only_pool_children(pool: RewardPool, others: set[int]) -> None:
     """Every reward process is a live pool worker: none leaked, none left a zombie."""
-    children = _reward_processes()
+    children = [c for c in psutil.Process().children() if c.pid not in others]
     assert {c.pid for c in children} <= set(pool.pids())
     assert all(c.status() != psutil.STATUS_ZOMBIE for c in children)
 
@@ -67,7 +73,7 @@ def _assert_only_pool_children(pool: RewardPool) -> None:
     ("misbehaves", "raises", "error", "RuntimeError: the grader is broken"),
     ("blocks_the_loop", "blocking_sleep", "timeout", f"no result within reward.timeout_s={TIMEOUT_S}s"),
 ])
-def test_a_misbehaving_reward_fails_only_its_own_sample(pool, fn, fault, kind, error):
+def test_a_misbehaving_reward_fails_only_its_own_sample(pool, others, fn, fault, kind, error):
     reward = _reward(fn, pool)
     threads = threading.active_count()
     started = time.monotonic()
@@ -78,10 +84,10 @@ def test_a_misbehaving_reward_fails_only_its_own_sample(pool, fn, fault, kind, e
     assert error in samples[1].reward_error
     assert reward.failures == {kind: 1}
     assert threading.active_count() == threads
-    _assert_only_pool_children(pool)
+    _assert_only_pool_children(pool, others)
 
 
-def test_a_group_reward_that_crashes_fails_only_its_group(pool):
+def test_a_group_reward_that_crashes_fails_only_its_group(pool, others):
     reward = _reward("misbehaves_per_group", pool, scope="group")
     crash = {"fault": "os_exit"}
     samples = _batch("os_exit") + [Sample(uid=9, group_id=1, response_text="no", label="42", metadata=crash)]
@@ -90,10 +96,10 @@ def test_a_group_reward_that_crashes_fails_only_its_group(pool):
     assert samples[1].reward_error == samples[3].reward_error  # one call for the whole group
     assert "exited with code 7" in samples[1].reward_error
     assert reward.failures == {"crash": 2}
-    _assert_only_pool_children(pool)
+    _assert_only_pool_children(pool, others)
 
 
-def test_workers_stay_warm_and_a_timed_out_one_is_replaced(pool):
+def test_workers_stay_warm_and_a_timed_out_one_is_replaced(pool, others):
     reward = _reward("misbehaves", pool)
     before = set(pool.pids())
     reward.score(_batch(None))
@@ -103,7 +109,7 @@ def test_workers_stay_warm_and_a_timed_out_one_is_replaced(pool):
     assert pool.replaced == replaced + 1
     assert len(set(pool.pids()) - before) == 1
     assert not set(pool.pids()) >= before  # the late worker is gone, killed and reaped
-    _assert_only_pool_children(pool)
+    _assert_only_pool_children(pool, others)
 
 
 def test_a_killed_reward_takes_the_programs_it_started_with_it(pool, tmp_path):
@@ -142,7 +148,7 @@ def test_close_stops_every_pool_process():
     reward.close()
 
 
-def test_a_backtracking_format_pattern_times_out_in_the_pool(pool):
+def test_a_backtracking_format_pattern_times_out_in_the_pool(pool, others):
     """reward.format_pattern is user input too: a catastrophic regex fails its sample, not the run."""
     reward = Reward(build_reward("format", "none", r"(a+)+$"), timeout_s=TIMEOUT_S, pool=pool)
     samples = [Sample(uid=0, group_id=0, response_text="aaaa"),
@@ -152,4 +158,4 @@ def test_a_backtracking_format_pattern_times_out_in_the_pool(pool):
     assert time.monotonic() - started < TIMEOUT_S + SLACK_S
     assert samples[0].reward == 1.0 and samples[0].reward_error is None
     assert "reward.timeout_s" in samples[1].reward_error
-    _assert_only_pool_children(pool)
+    _assert_only_pool_children(pool, others)
