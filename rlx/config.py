@@ -110,6 +110,34 @@ class EngineSettings(Section):
         return engine
 
 
+class ToolConfig(Section):
+    name: str = Field(description="built-in tool (calculator, python) or a user class package.module:Name")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the tool's constructor")
+
+
+class AgentConfig(Section):
+    """Multi-turn rollouts: the policy talks to an environment (and its tools) turn by turn.
+    `rollout.max_new_tokens` bounds each policy turn; `max_trajectory_tokens` the whole response."""
+
+    environment: str = Field("tools", description="tools, feedback, or a user class package.module:Name")
+    environment_options: dict[str, Any] = Field(default_factory=dict)
+    tools: list[ToolConfig] = Field(default_factory=list, description="the tools environment's tools")
+    parser: str = Field("hermes", description="tool-call parser: hermes (<tool_call>{json}</tool_call>) or "
+                        "module:function")
+    system_prompt: str | None = Field(None, description="replaces data.system_prompt in multi-turn rollouts")
+    examples: list[dict[str, Any]] = Field(default_factory=list, description="worked example messages put "
+                                           "before each prompt (e.g. one tool round trip)")
+    max_turns: int = Field(4, ge=1, description="policy turns per trajectory")
+    max_trajectory_tokens: int = Field(1024, ge=1, description="response tokens per trajectory, observations "
+                                       "included")
+    tool_timeout_s: float = Field(10.0, gt=0.0, description="a tool call running longer fails (its result says so)")
+    tool_latency_s: float = Field(0.0, ge=0.0, description="wall time added to each tool call without using "
+                                  "the CPU, standing in for a remote sandbox or API (benchmarks)")
+    max_tool_output_chars: int = Field(2000, ge=16)
+    concurrency: int | None = Field(None, ge=1, description="trajectories in flight per rollout replica "
+                                    "(default: rollout.max_batch_size)")
+
+
 class RolloutConfig(EngineSettings):
     n: int = Field(8, ge=1, description="responses per prompt (the group size)")
     prompts_per_step: int = Field(8, ge=1)
@@ -123,6 +151,8 @@ class RolloutConfig(EngineSettings):
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     scale_timeout_s: float = Field(600.0, gt=0, description="longest wait for new rollout replicas to start; a "
                                    "scale past it is undone and reported")
+    agent: AgentConfig | None = Field(None, description="multi-turn rollouts with an environment and tools "
+                                      "(rlx/agents); unset: one response per prompt")
 
 
 class JudgeConfig(EngineSettings):

@@ -22,7 +22,8 @@ class Sample:
     prompt_text: str = ""  # the user's question, for judges (GenRM)
     label: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
-    loss_mask: list[float] | None = None
+    loss_mask: list[float] | None = None  # 0 on tokens the policy did not generate (tool results, feedback)
+    agent_stats: dict[str, Any] | None = None  # multi-turn rollouts: turns, tool calls, masked tokens
     reward: float | None = None
     reward_error: str | None = None
     advantage: float | None = None

@@ -75,7 +75,13 @@ def generation_engine(config: RunConfig, settings: EngineSettings, path: Path, m
 
 
 def build_rollout(config: RunConfig, path: Path) -> Rollout:
-    return Rollout(*generation_engine(config, config.rollout, path, config.rollout.max_batch_size))
+    """One response per prompt, or whole multi-turn trajectories when `rollout.agent` is set."""
+    engine, tokenizer = generation_engine(config, config.rollout, path, config.rollout.max_batch_size)
+    if config.rollout.agent is not None:
+        from rlx.agents.setup import build_agent_rollout
+
+        return build_agent_rollout(config, engine, tokenizer)
+    return Rollout(engine, tokenizer)
 
 
 def build_genrm(config: RunConfig) -> GenRM:

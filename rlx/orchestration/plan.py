@@ -64,6 +64,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("response_ids", ROLLOUT, ("reward", "advantages", *TOKEN_CONSUMERS), "int64", ("T",)),
     FieldSpec("rollout_logprobs", ROLLOUT, ("advantages", "train"), "float32", ("T",)),
     FieldSpec("loss_mask", ROLLOUT, ("critic_train", "train"), "float32", ("T",)),
+    FieldSpec("agent_stats", ROLLOUT, ("train",), "json"),
     FieldSpec("behavior_version", ROLLOUT, ("train",), "int64"),
     FieldSpec("last_behavior_version", ROLLOUT, ("train",), "int64"),
     FieldSpec("finish_reason", ROLLOUT, ("train",), "str"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 
+from rlx.agents.trajectory import CUT_REASONS
 from rlx.data.sample import Sample
 
 Cursor = tuple[str, int]  # (the worker instance, the index of a report it made)
@@ -53,6 +54,7 @@ def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, floa
         **{f"staleness_{k}": float(v) for k, v in sorted(staleness.items())},
         **proximal_metrics(samples, trainer_version),
         **distillation_metrics(samples),
+        **agent_metrics(samples),
     }
 
 
@@ -67,3 +69,25 @@ def distillation_metrics(samples: list[Sample]) -> dict[str, float]:
     pairs = [(s.rollout_logprobs, s.teacher_logprobs) for s in samples if s.teacher_logprobs is not None]
     gaps = [st - te for student, teacher in pairs for st, te in zip(student, teacher)]
     return {"distill_reverse_kl": sum(gaps) / len(gaps)} if gaps else {}
+
+
+def agent_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Multi-turn rollouts: turns, tool calls by tool and outcome, tool latency, trajectories cut by
+    a limit, and the fraction of response tokens masked out of the loss (observations)."""
+    stats = [s.agent_stats for s in samples if s.agent_stats is not None]
+    if not stats:
+        return {}
+    calls = [call for entry in stats for call in entry["tool_calls"]]
+    tokens = sum(len(s.response_ids) for s in samples if s.agent_stats is not None)
+    metrics = {
+        "agent_turns_mean": sum(entry["turns"] for entry in stats) / len(stats),
+        "agent_tool_calls_mean": len(calls) / len(stats),
+        "agent_cut_fraction": sum(s.finish_reason in CUT_REASONS
+                                  for s in samples if s.agent_stats is not None) / len(stats),
+        "agent_masked_token_fraction": sum(entry["masked_tokens"] for entry in stats) / max(1, tokens),
+    }
+    if calls:
+        metrics["agent_tool_latency_mean_s"] = sum(latency for _, _, latency in calls) / len(calls)
+    for (tool, outcome), count in sorted(Counter((tool, outcome) for tool, outcome, _ in calls).items()):
+        metrics[f"agent_tool_{tool}_{outcome}"] = float(count)
+    return metrics

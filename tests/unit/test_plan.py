@@ -7,10 +7,10 @@ import pytest
 from rlx.config import ConfigError, build_config
 from rlx.orchestration.plan import FIELDS, ROLES, FieldSpec, build_plan
 
-ROLLOUT_WRITES = {"group_id", "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "behavior_version",
+ROLLOUT_WRITES = {"group_id", "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "agent_stats", "behavior_version",
                   "last_behavior_version", "finish_reason", "response_text", "prompt_text", "label", "metadata"}
 TOKENS = {"group_id", "prompt_ids", "response_ids"}
-TRAIN_BASE = {"group_id", "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "behavior_version",
+TRAIN_BASE = {"group_id", "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "agent_stats", "behavior_version",
               "last_behavior_version", "finish_reason", "reward", "reward_error", "advantage", "token_advantages",
               "filter_reason"}
 ADVANTAGES_BASE = {"group_id", "response_ids", "rollout_logprobs", "reward", "reward_error"}

@@ -1,0 +1,154 @@
+"""Multi-turn rollouts: each trajectory alternates policy turns and environment steps.
+
+Every trajectory runs on a thread of its own and submits each policy turn to one `EngineLoop`,
+which batches whatever turns are waiting. A turn that ends in a tool call leaves the batch when it
+finishes, so its slot goes to another trajectory while the tool runs; the next turn comes back as a
+new request with the whole context (token ids, never text). Tools of different trajectories run
+concurrently, on their trajectories' threads.
+
+Prefix reuse: the `hf` engine prefills the whole context again for each turn (it keeps no cache
+between requests); vLLM reuses the prefix's KV cache through its prefix caching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from rlx.agents.chat import ChatTokens, TemplateDrift, check_template
+from rlx.agents.environments import Environment, EnvironmentFactory
+from rlx.agents.trajectory import Trajectory
+from rlx.data.rows import PromptRow
+from rlx.data.sample import Sample
+from rlx.engines.generation.base import SamplingParams
+from rlx.engines.generation.engine_loop import EngineLoop
+from rlx.roles.rollout import Group, Rollout
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 0.2  # while every trajectory waits on a tool, the engine still gets `between_steps` this often
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int  # policy turns per trajectory
+    max_trajectory_tokens: int  # response tokens (policy and observation) per trajectory
+
+
+class AgentRollout(Rollout):
+    """A Rollout whose samples are whole multi-turn trajectories (`generate` has Rollout's contract)."""
+
+    def __init__(self, engine, tokenizer, environments: EnvironmentFactory, limits: TurnLimits,
+                 concurrency: int) -> None:
+        super().__init__(engine, tokenizer)
+        self.environments, self.limits, self.concurrency = environments, limits, concurrency
+        probe = environments()
+        self.chat = ChatTokens(tokenizer, probe.tool_specs)
+        probe.close()
+        self.template_check = check_template(self.chat)  # reported at start-up; see rlx.agents.chat
+
+    def encode(self, row: PromptRow) -> list[int]:
+        """The first prompt of this row's trajectory, as the engine sees it."""
+        env = self.environments()
+        try:
+            return self.chat.prompt_ids(env.reset(row))
+        finally:
+            env.close()
+
+    def generate(self, groups: list[Group], n: int, params: SamplingParams,
+                 more_groups: Callable[[int], list[Group]] | None = None,
+                 between_steps: Callable[[], None] | None = None) -> Iterator[Sample]:
+        loop = EngineLoop(self.engine)
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="rlx-trajectory")
+        running: dict[Future, tuple[int, int, PromptRow]] = {}
+
+        def start(new_groups: list[Group]) -> None:
+            for group_id, row, _ in new_groups:
+                for _ in range(n):
+                    uid = next(self._uids)
+                    running[pool.submit(self.run_trajectory, loop, row, params)] = (uid, group_id, row)
+
+        try:
+            start(groups)
+            while running:
+                done, _ = wait(running, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
+                for future in done:
+                    uid, group_id, row = running.pop(future)
+                    yield self._sample(uid, group_id, row, future.result())
+                if between_steps is not None:
+                    loop.run_on_engine_thread(between_steps)
+                free = self.concurrency - len(running)
+                if more_groups is not None and free >= n:
+                    start(more_groups(free // n))
+        finally:
+            loop.stop()
+            for future in running:
+                future.cancel()
+            pool.shutdown(wait=True)
+
+    def run_trajectory(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
+        env = self.environments()
+        try:
+            return self._play(env, loop, row, params)
+        finally:
+            env.close()
+
+    def _play(self, env: Environment, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
+        messages = env.reset(row)
+        trajectory = Trajectory(self.chat.prompt_ids(messages))
+        limits = self.limits
+        while True:
+            budget = limits.max_trajectory_tokens - len(trajectory.response_ids)
+            turn_params = params if budget >= params.max_new_tokens else dataclasses.replace(params, max_new_tokens=budget)
+            result = loop.submit(trajectory.context_ids, turn_params).result()
+            trajectory.add_policy(result.response_ids, result.logprobs, result.weight_version,
+                                  result.extra.get("last_weight_version"))
+            text = self.chat.turn_text(result.response_ids)
+            trajectory.final_text = text
+            if result.finish_reason == "length":  # a cut turn is no action
+                return _finish(trajectory, "length" if budget >= params.max_new_tokens else "max_tokens")
+            try:
+                step = env.step(text)
+            except Exception as error:  # noqa: BLE001 - user environment code; the trajectory ends, the run goes on
+                log.warning("environment step failed: %s: %s", type(error).__name__, error)
+                return _finish(trajectory, "env_error")
+            trajectory.tool_calls += step.tool_calls
+            if step.reward is not None:
+                trajectory.env_reward = step.reward
+            if step.done:
+                return _finish(trajectory, "stop")
+            if trajectory.turns >= limits.max_turns:
+                return _finish(trajectory, "max_turns")
+            try:
+                observation = self.chat.observation_ids(messages, result.response_ids, step.observation)
+            except TemplateDrift:
+                return _finish(trajectory, "template_drift")
+            if len(trajectory.response_ids) + len(observation) >= limits.max_trajectory_tokens:
+                return _finish(trajectory, "max_tokens")
+            trajectory.add_observation(observation)
+            messages = [*messages, {"role": "assistant", "content": text}, *step.observation]
+
+    def _sample(self, uid: int, group_id: int, row: PromptRow, trajectory: Trajectory) -> Sample:
+        metadata = dict(row.metadata)
+        if trajectory.env_reward is not None:
+            metadata["env_reward"] = trajectory.env_reward
+        return Sample(
+            uid=uid, group_id=group_id, prompt_ids=trajectory.prompt_ids, response_ids=trajectory.response_ids,
+            rollout_logprobs=trajectory.logprobs, loss_mask=trajectory.loss_mask,
+            behavior_version=trajectory.behavior_version, last_behavior_version=trajectory.last_behavior_version,
+            finish_reason=trajectory.finish_reason, response_text=trajectory.final_text, prompt_text=row.question,
+            label=row.label, metadata=metadata, agent_stats=trajectory_stats(trajectory))
+
+
+def _finish(trajectory: Trajectory, reason: str) -> Trajectory:
+    trajectory.finish_reason = reason
+    return trajectory
+
+
+def trajectory_stats(trajectory: Trajectory) -> dict:
+    """What the trainer's metrics need of a trajectory (a bus field: JSON-safe)."""
+    return {"turns": trajectory.turns, "masked_tokens": trajectory.masked_tokens,
+            "tool_calls": [[c.tool, c.outcome, round(c.latency_s, 4)] for c in trajectory.tool_calls]}
+

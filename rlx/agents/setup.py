@@ -1,0 +1,64 @@
+"""`rollout.agent` -> an AgentRollout: its environment factory, tools, parser and limits."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from rlx.agents.environments import ENVIRONMENTS, EnvironmentFactory, user_environment
+from rlx.agents.loop import AgentRollout, TurnLimits
+from rlx.agents.parsers import build_parser
+from rlx.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlx.agents.tools import ToolBox
+    from rlx.config import AgentConfig, RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_toolbox(agent: AgentConfig) -> ToolBox:
+    from rlx.agents.tools import ToolBox, build_tool
+
+    tools = []
+    for tool in agent.tools:
+        built = build_tool(tool.name, tool.options)
+        if "timeout_s" not in tool.options:
+            built.timeout_s = agent.tool_timeout_s
+        tools.append(built)
+    return ToolBox(tools, max_output_chars=agent.max_tool_output_chars, extra_latency_s=agent.tool_latency_s)
+
+
+def environment_factory(config: RunConfig, toolbox: ToolBox | None) -> EnvironmentFactory:
+    agent = config.rollout.agent
+    assert agent is not None
+    system_prompt = agent.system_prompt if agent.system_prompt is not None else config.data.system_prompt
+    if ":" in agent.environment:
+        return user_environment(agent.environment, agent.environment_options)
+    if agent.environment not in ENVIRONMENTS:
+        raise ConfigError(f"rollout.agent.environment={agent.environment!r} is unknown; use one of "
+                          f"{ENVIRONMENTS.names()} or package.module:Name")
+    if agent.environment == "tools":
+        if not agent.tools:
+            raise ConfigError("rollout.agent.environment=tools needs at least one tool: set rollout.agent.tools, "
+                              "e.g. [{name: calculator}]")
+        return ENVIRONMENTS.get("tools")(toolbox, build_parser(agent.parser), system_prompt, agent.examples,
+                                         **agent.environment_options)
+    from rlx.rewards import build_reward_fn
+
+    score = build_reward_fn(config.reward.name, config.reward.extract, config.reward.format_pattern)
+    return ENVIRONMENTS.get(agent.environment)(score=score, system_prompt=system_prompt, **agent.environment_options)
+
+
+def build_agent_rollout(config: RunConfig, engine, tokenizer: PreTrainedTokenizerBase) -> AgentRollout:
+    agent = config.rollout.agent
+    assert agent is not None
+    toolbox = build_toolbox(agent) if agent.tools else None
+    rollout = AgentRollout(engine, tokenizer, environment_factory(config, toolbox),
+                           TurnLimits(agent.max_turns, agent.max_trajectory_tokens),
+                           agent.concurrency or config.rollout.max_batch_size)
+    check = rollout.template_check
+    (log.info if check.exact else log.warning)("chat template, token in / token out: %s", check.detail)
+    return rollout

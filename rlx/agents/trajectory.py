@@ -1,0 +1,67 @@
+"""A multi-turn trajectory as one token sequence, built token in and token out.
+
+The policy's tokens are appended exactly as the engine generated them, with their log-probs;
+observations (tool results, environment feedback, the chat template's turn markers around them)
+are tokenised once, appended, and masked out of the loss. Nothing is re-tokenised from text, so
+the trainer scores exactly the tokens the engine sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CUT_REASONS = ("length", "max_turns", "max_tokens")  # finish reasons of a trajectory a limit ended
+
+
+@dataclass(frozen=True)
+class ToolCallRecord:
+    """One tool call of a trajectory, for metrics: which tool, how it ended, how long it took."""
+
+    tool: str
+    outcome: str  # ToolResult.outcome: ok, error, timeout, bad_arguments, unknown_tool (or unparsable)
+    latency_s: float
+
+
+@dataclass
+class Trajectory:
+    """`response_ids` is everything after `prompt_ids`: policy turns and observations interleaved.
+    `logprobs` and `loss_mask` run along it (an observation token has log-prob 0 and mask 0)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[float] = field(default_factory=list)
+    turns: int = 0  # policy turns
+    behavior_version: int | None = None  # weights of the first policy token
+    last_behavior_version: int | None = None  # weights of the last policy token
+    finish_reason: str = ""  # stop, length (a turn hit max_new_tokens), max_turns, max_tokens
+    final_text: str = ""  # the last policy turn as text: what the reward reads
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    env_reward: float | None = None  # a reward the environment gave at the end, if it gives one
+
+    def add_policy(self, ids: list[int], logprobs: list[float], version: int, last_version: int | None = None) -> None:
+        """Append one policy turn exactly as generated."""
+        if len(ids) != len(logprobs):
+            raise ValueError(f"a policy turn has {len(ids)} tokens but {len(logprobs)} log-probs")
+        self.response_ids += ids
+        self.logprobs += logprobs
+        self.loss_mask += [1.0] * len(ids)
+        self.turns += 1
+        if self.behavior_version is None:
+            self.behavior_version = version
+        self.last_behavior_version = version if last_version is None else last_version
+
+    def add_observation(self, ids: list[int]) -> None:
+        """Append tokens the policy did not generate: they are context, never trained on."""
+        self.response_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.loss_mask += [0.0] * len(ids)
+
+    @property
+    def context_ids(self) -> list[int]:
+        """What the engine continues from for the next turn."""
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def masked_tokens(self) -> int:
+        return sum(1 for m in self.loss_mask if m == 0.0)

@@ -1,0 +1,37 @@
+"""User environments for the agentic tests (loaded by `package.module:Name`, as users write theirs)."""
+
+from __future__ import annotations
+
+from rlx.agents import Environment, EnvStep
+from rlx.agents.trajectory import ToolCallRecord
+from rlx.data.rows import PromptRow
+
+
+class ScriptedTool(Environment):
+    """Answers each turn with a tool result until `rounds` results were given, then ends."""
+
+    tool_specs = [{"type": "function", "function": {"name": "lookup", "description": "look a value up",
+                                                    "parameters": {"type": "object", "properties": {}}}}]
+
+    def __init__(self, rounds: int = 2) -> None:
+        self.rounds, self.given = rounds, 0
+
+    def reset(self, row: PromptRow) -> list[dict]:
+        return [{"role": "user", "content": row.prompt}]
+
+    def step(self, action: str) -> EnvStep:
+        if self.given == self.rounds:
+            return EnvStep(done=True, reward=1.0)
+        self.given += 1
+        return EnvStep([{"role": "tool", "content": f"result {self.given}"}],
+                       tool_calls=[ToolCallRecord("lookup", "ok", 0.0)])
+
+
+class Broken(Environment):
+    """Fault injection: the environment itself raises on the first step."""
+
+    def reset(self, row: PromptRow) -> list[dict]:
+        return [{"role": "user", "content": row.prompt}]
+
+    def step(self, action: str) -> EnvStep:
+        raise RuntimeError("the environment is broken")
