@@ -92,3 +92,16 @@ def format_reward(extract: str, pattern: str = DEFAULT_FORMAT) -> RewardFn:
         return float(compiled.fullmatch(completion.strip()) is not None)
 
     return score
+
+
+@REWARDS.register("environment")
+def environment_reward(extract: str) -> RewardFn:
+    """The reward a multi-turn environment gave at the end of its episode (`rollout.agent`)."""
+
+    def score(completion: str, label: str, metadata: dict[str, Any]) -> float:
+        if "env_reward" not in metadata:
+            raise KeyError("reward.name=environment: this trajectory's environment gave no reward; use an "
+                           "environment that returns one at the end (EnvStep.reward), or another reward.name")
+        return float(metadata["env_reward"])
+
+    return score
