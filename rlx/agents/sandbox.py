@@ -57,6 +57,7 @@ from typing import Any
 import psutil
 
 from rlx.agents.tools import TOOLS, Tool, ToolError, ToolTimeout
+from rlx.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,15 @@ class PythonTool(Tool):
     def __init__(self, **limits: Any) -> None:
         self.limits = SandboxLimits(**limits)  # an unknown option is a TypeError, which build_tool reports
         self.timeout_s = self.limits.timeout_s
+        if not os.access(self.limits.python, os.X_OK):
+            raise ConfigError(f"rollout.agent.tools: python tool option python={self.limits.python!r} is not an "
+                              "executable; give the path of a Python interpreter")
+        if os.geteuid() == 0:
+            try:
+                pwd.getpwnam(self.limits.user)
+            except KeyError:
+                raise ConfigError(f"rollout.agent.tools: python tool option user={self.limits.user!r} is not a "
+                                  "user here; give an unprivileged user the code can run as") from None
 
     def run(self, arguments: dict) -> str:
         """Exit code 0 is an "ok" observation; a failing or killed program is an "error" one (the
@@ -476,7 +486,10 @@ def _launcher() -> None:  # pragma: no cover - runs as `python -I -S -c`, see _L
             exec_code(uid, gid)
         except BaseException as exc:  # noqa: BLE001 - reported to the host, whatever it is
             fail(exc)
-    wait_status = os.waitpid(code_pid, 0)[1]
+    while True:  # as pid 1 the init also reaps the code's orphans, which would count against RLIMIT_NPROC
+        pid, wait_status = os.wait()
+        if pid == code_pid:
+            break
     if os.WIFSIGNALED(wait_status):
         report(signal=os.WTERMSIG(wait_status))
     else:

@@ -153,7 +153,10 @@ class ToolBox:
         start = time.monotonic()
         if self.extra_latency_s:
             time.sleep(self.extra_latency_s)
-        text, outcome = self._dispatch(name, arguments)
+        try:
+            text, outcome = self._dispatch(name, arguments)
+        except Exception as exc:  # noqa: BLE001 - e.g. a user tool's schema we cannot read; never raise
+            text, outcome = f"Error: {type(exc).__name__}: {exc}", "error"
         return ToolResult(truncate(text, self.max_output_chars), outcome, time.monotonic() - start)
 
     def close(self) -> None:

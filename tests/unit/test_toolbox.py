@@ -15,6 +15,8 @@ import pytest
 from rlx.agents.tools import TOOLS, Tool, ToolBox, ToolError, build_tool, schema_errors, truncate
 from rlx.errors import ConfigError
 
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+
 
 class Echo(Tool):
     """A user tool: loaded by tests as `tests.unit.test_toolbox:Echo`."""
@@ -39,8 +41,7 @@ class Echo(Tool):
 
 
 class Fails(Tool):
-    name, description = "fails", "Always raises."
-    parameters = {"type": "object", "properties": {}}
+    name, description, parameters = "fails", "Always raises.", NO_ARGUMENTS
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
@@ -52,8 +53,7 @@ class Fails(Tool):
 class Waits(Tool):
     """Blocks until released: a hung in-process tool."""
 
-    name, description = "waits", "Waits."
-    parameters = {"type": "object", "properties": {}}
+    name, description, parameters = "waits", "Waits.", NO_ARGUMENTS
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -211,11 +211,20 @@ def test_user_tool_by_path_with_options():
     ("tests.unit.test_toolbox:Fails", {}, "do not fit tool"),
     ("calculator", {"digits": 3}, "do not fit tool 'calculator'"),
     ("calc", None, "unknown tool 'calc'; use one of ['calculator', 'python']"),
+    ("python", {"memory": 1}, "do not fit tool 'python'"),
+    ("python", {"python": "/nonexistent/python3"}, "is not an executable"),
 ])
 def test_bad_tool_paths_are_config_errors(name, options, message):
     with pytest.raises(ConfigError, match="rollout.agent.tools") as raised:
         build_tool(name, options)
     assert message in str(raised.value)
+
+
+def test_a_tool_with_an_unreadable_schema_still_does_not_raise():
+    broken = Echo()
+    broken.parameters = {"properties": ["text"]}  # not a JSON schema: properties must be an object
+    result = ToolBox([broken]).call("echo", {"text": "a"})
+    assert result.outcome == "error" and result.text.startswith("Error: AttributeError")
 
 
 def test_builtins_are_registered():
