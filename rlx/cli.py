@@ -1,4 +1,4 @@
-"""The `rlx` command line: train, doctor, status, scale, models, export, convert-run, eval, plot, bench."""
+"""The `rlx` command line: train, sft, doctor, status, scale, models, export, convert-run, eval, plot, bench."""
 
 from __future__ import annotations
 
@@ -123,6 +123,15 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from rlx.sft import load_sft_config, run_sft
+
+    summary = run_sft(load_sft_config(args.config, args.overrides))
+    print(f"done: {summary['output']} ({summary['steps']} steps, loss {summary['losses'][0]:.4f} -> "
+          f"{summary['losses'][-1]:.4f}); start RL from it with model.path={summary['output']}")
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from rlx.obs import plot_run
 
@@ -238,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--initial", action="store_true", help="evaluate the starting model instead")
     evaluate.set_defaults(func=_eval)
 
+    sft = sub.add_parser("sft", help="supervised fine-tuning on JSONL conversations, the loss on assistant "
+                         "tokens only (docs/sft.md)")
+    sft.add_argument("config", nargs="?", help="YAML of SFT settings (keys: rlx.sft.SFTConfig)")
+    sft.add_argument("overrides", nargs="*", help="key=value, e.g. data=chats.jsonl output=runs/sft epochs=2")
+    sft.set_defaults(func=_sft)
     plot = sub.add_parser("plot", help="plot reward and eval accuracy of a run to PNG")
     plot.add_argument("run_dir")
     plot.set_defaults(func=_plot)
