@@ -178,6 +178,21 @@ def test_chat_reply_is_openai_shaped_with_log_probs_as_recorded(server, episode)
     assert call.temperature == 0.8
 
 
+def test_each_call_records_the_weight_version_it_was_generated_with(server, loop, episode, engine_and_tokenizer):
+    engine = engine_and_tokenizer[0]
+    client, hi = _client(server, episode), [{"role": "user", "content": "hi"}]
+    before = engine.weight_version
+    client.chat.completions.create(model="m", messages=hi, max_tokens=2)
+    loop.run_on_engine_thread(lambda: engine.load_weights(engine.model.state_dict(), before + 7))
+    try:
+        client.chat.completions.create(model="m", messages=hi, max_tokens=2)
+    finally:
+        loop.run_on_engine_thread(lambda: engine.load_weights(engine.model.state_dict(), before))
+    first, second = server.close_episode(episode)
+    assert (first.weight_version, first.last_weight_version) == (before, before)
+    assert (second.weight_version, second.last_weight_version) == (before + 7, before + 7)
+
+
 def test_text_completions_and_models(server, episode):
     client = _client(server, episode)
     assert [model.id for model in client.models.list()] == ["rlx-policy"]
@@ -236,7 +251,7 @@ def test_a_call_still_generating_when_its_episode_ends_is_answered_404_and_not_k
     try:
         caller.start()
         deadline = time.monotonic() + 20
-        while not loop._jobs and time.monotonic() < deadline:
+        while not loop._jobs and time.monotonic() < deadline:  # the loop exposes no queue length: read it
             time.sleep(0.01)
         assert loop._jobs, "the call reached the engine loop"
         assert server.close_episode(episode) == []
