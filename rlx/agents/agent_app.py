@@ -13,7 +13,9 @@ killable isolation as user reward code: a program that raises, calls sys.exit, h
 episode's deadline (its process group is killed) or returns anything but a finite number fails
 only its own episode, which is counted and never stops the run. What the episode's calls produced
 is recorded by the server (`rlx.agents.openai_server`), merged into trajectories
-(`rlx.agents.episodes`) and returned with the reward.
+(`rlx.agents.episodes`) and returned with the reward, which every trajectory of the episode also
+carries as its `env_reward` (what `reward.name=environment` scores). The deadline counts from the
+call: starting a process and importing the app are not part of it.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ class AgentAppRunner:
                 result.failure, result.error = "no_calls", "the agent app returned a reward but never called the model"
             else:
                 result.reward = score.score
+                for trajectory in result.trajectories:  # shared: what reward.name=environment reads
+                    trajectory.env_reward = score.score
         if result.failure is not None:
             with self._lock:
                 self.failures[result.failure] += 1

@@ -101,6 +101,7 @@ def test_an_app_conversation_is_recorded_exactly_and_merged_where_the_prompt_ext
     assert result.reward == 0.75 and result.calls == 4
     chat, unrelated = result.trajectories
     assert (chat.turns, unrelated.turns) == (3, 1), "the three chat calls merge; the unrelated call stands alone"
+    assert chat.env_reward == unrelated.env_reward == 0.75, "every trajectory of the episode shares its reward"
     assert chat.prompt_ids == tokenizer("<u>hello\n<a>", add_special_tokens=False)["input_ids"]
     assert unrelated.prompt_ids == tokenizer("<u>unrelated\n<a>", add_special_tokens=False)["input_ids"]
     mask = chat.loss_mask
@@ -146,7 +147,7 @@ def test_a_misbehaving_app_fails_only_its_own_episode(server, pool):
     good = results.pop(2)
     assert good.ok and good.reward == 2.0 and len(good.trajectories) == 1
     assert [r.failure for r in results] == ["error", "timeout", "bad_value", "crash", "no_calls"]
-    assert all(r.reward is None for r in results)
+    assert all(r.reward is None and all(t.env_reward is None for t in r.trajectories) for r in results)
     assert "the agent app is broken" in results[0].error and "within 4.0s" in results[1].error
     assert "'great'" in results[2].error
     assert [r.calls for r in results] == [1, 1, 1, 1, 0], "calls made before the failure are still recorded"
