@@ -153,6 +153,10 @@ class RolloutConfig(EngineSettings):
                                    "scale past it is undone and reported")
     agent: AgentConfig | None = Field(None, description="multi-turn rollouts with an environment and tools "
                                       "(rlx/agents); unset: one response per prompt")
+    agent_app: str | None = Field(None, description="package.module:function(base_url, api_key, row) -> reward: "
+                                  "an agent program that plays each episode through an OpenAI-compatible endpoint "
+                                  "(needs reward.name=environment)")
+    agent_app_timeout_s: float = Field(300.0, gt=0.0, description="an episode running longer is killed and fails")
 
 
 class JudgeConfig(EngineSettings):
@@ -501,6 +505,12 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if a.loss.type == "gspo" and a.aggregation != "seq-mean-token-mean":
         problems.append(f"algorithm.loss.type=gspo averages its sequence losses over sequences; with "
                         f"aggregation={a.aggregation} its gradient is GRPO's: set algorithm.aggregation=seq-mean-token-mean")
+    if c.rollout.agent is not None and c.rollout.agent_app is not None:
+        problems.append("rollout.agent (an environment rlx drives) and rollout.agent_app (a program that drives "
+                        "the policy) are two ways to roll out: set one of them")
+    if c.rollout.agent_app is not None and c.reward.name != "environment":
+        problems.append(f"rollout.agent_app returns each episode's reward; reward.name={c.reward.name!r} would score "
+                        "something else: set reward.name=environment")
     if c.rollout.autoscale.enabled and c.train.mode != "async":
         problems.append("rollout.autoscale scales rollout replicas, which exist in async mode only: "
                         "set train.mode=async, or rollout.autoscale.enabled=false")

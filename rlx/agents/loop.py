@@ -12,6 +12,7 @@ between requests); vLLM reuses the prefix's KV cache through its prefix caching.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
@@ -37,13 +38,63 @@ class TurnLimits:
     max_trajectory_tokens: int  # response tokens (policy and observation) per trajectory
 
 
-class AgentRollout(Rollout):
-    """A Rollout whose samples are whole multi-turn trajectories (`generate` has Rollout's contract)."""
+class ConcurrentRollout(Rollout):
+    """Runs every response (a trajectory, an episode) on a thread of its own against one EngineLoop,
+    and yields each as a Sample when it ends (`generate` has Rollout's contract)."""
+
+    def __init__(self, engine, tokenizer, concurrency: int) -> None:
+        super().__init__(engine, tokenizer)
+        self.concurrency = concurrency
+
+    def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
+        """One whole response to `row`."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def session(self, loop: EngineLoop, params: SamplingParams) -> Iterator[None]:
+        """What lives as long as one `generate` call (an HTTP endpoint): nothing by default."""
+        yield
+
+    def generate(self, groups: list[Group], n: int, params: SamplingParams,
+                 more_groups: Callable[[int], list[Group]] | None = None,
+                 between_steps: Callable[[], None] | None = None) -> Iterator[Sample]:
+        loop = EngineLoop(self.engine)
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="rlx-response")
+        running: dict[Future, tuple[int, int, PromptRow]] = {}
+
+        def start(new_groups: list[Group]) -> None:
+            for group_id, row, _ in new_groups:
+                for _ in range(n):
+                    uid = next(self._uids)
+                    running[pool.submit(self.respond, loop, row, params)] = (uid, group_id, row)
+
+        try:
+            with self.session(loop, params):
+                start(groups)
+                while running:
+                    done, _ = wait(running, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        uid, group_id, row = running.pop(future)
+                        yield trajectory_sample(uid, group_id, row, future.result())
+                    if between_steps is not None:
+                        loop.run_on_engine_thread(between_steps)
+                    free = self.concurrency - len(running)
+                    if more_groups is not None and free >= n:
+                        start(more_groups(free // n))
+        finally:
+            loop.stop()
+            for future in running:
+                future.cancel()
+            pool.shutdown(wait=True)
+
+
+class AgentRollout(ConcurrentRollout):
+    """Trajectories against an environment: policy turns and environment steps, turn by turn."""
 
     def __init__(self, engine, tokenizer, environments: EnvironmentFactory, limits: TurnLimits,
                  concurrency: int) -> None:
-        super().__init__(engine, tokenizer)
-        self.environments, self.limits, self.concurrency = environments, limits, concurrency
+        super().__init__(engine, tokenizer, concurrency)
+        self.environments, self.limits = environments, limits
         probe = environments()
         self.chat = ChatTokens(tokenizer, probe.tool_specs)
         probe.close()
@@ -57,38 +108,7 @@ class AgentRollout(Rollout):
         finally:
             env.close()
 
-    def generate(self, groups: list[Group], n: int, params: SamplingParams,
-                 more_groups: Callable[[int], list[Group]] | None = None,
-                 between_steps: Callable[[], None] | None = None) -> Iterator[Sample]:
-        loop = EngineLoop(self.engine)
-        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="rlx-trajectory")
-        running: dict[Future, tuple[int, int, PromptRow]] = {}
-
-        def start(new_groups: list[Group]) -> None:
-            for group_id, row, _ in new_groups:
-                for _ in range(n):
-                    uid = next(self._uids)
-                    running[pool.submit(self.run_trajectory, loop, row, params)] = (uid, group_id, row)
-
-        try:
-            start(groups)
-            while running:
-                done, _ = wait(running, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
-                for future in done:
-                    uid, group_id, row = running.pop(future)
-                    yield self._sample(uid, group_id, row, future.result())
-                if between_steps is not None:
-                    loop.run_on_engine_thread(between_steps)
-                free = self.concurrency - len(running)
-                if more_groups is not None and free >= n:
-                    start(more_groups(free // n))
-        finally:
-            loop.stop()
-            for future in running:
-                future.cancel()
-            pool.shutdown(wait=True)
-
-    def run_trajectory(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
+    def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
         env = self.environments()
         try:
             return self._play(env, loop, row, params)
@@ -130,25 +150,29 @@ class AgentRollout(Rollout):
             trajectory.add_observation(observation)
             messages = [*messages, {"role": "assistant", "content": text}, *step.observation]
 
-    def _sample(self, uid: int, group_id: int, row: PromptRow, trajectory: Trajectory) -> Sample:
-        metadata = dict(row.metadata)
-        if trajectory.env_reward is not None:
-            metadata["env_reward"] = trajectory.env_reward
-        return Sample(
-            uid=uid, group_id=group_id, prompt_ids=trajectory.prompt_ids, response_ids=trajectory.response_ids,
-            rollout_logprobs=trajectory.logprobs, loss_mask=trajectory.loss_mask,
-            behavior_version=trajectory.behavior_version, last_behavior_version=trajectory.last_behavior_version,
-            finish_reason=trajectory.finish_reason, response_text=trajectory.final_text, prompt_text=row.question,
-            label=row.label, metadata=metadata, agent_stats=trajectory_stats(trajectory))
-
 
 def _finish(trajectory: Trajectory, reason: str) -> Trajectory:
     trajectory.finish_reason = reason
     return trajectory
 
 
+def trajectory_sample(uid: int, group_id: int, row: PromptRow, trajectory: Trajectory) -> Sample:
+    metadata = dict(row.metadata)
+    if trajectory.env_reward is not None:
+        metadata["env_reward"] = trajectory.env_reward
+    if trajectory.env_error is not None:
+        metadata["env_error"] = trajectory.env_error
+    return Sample(
+        uid=uid, group_id=group_id, prompt_ids=trajectory.prompt_ids, response_ids=trajectory.response_ids,
+        rollout_logprobs=trajectory.logprobs, loss_mask=trajectory.loss_mask,
+        behavior_version=trajectory.behavior_version or 0, last_behavior_version=trajectory.last_behavior_version,
+        finish_reason=trajectory.finish_reason, response_text=trajectory.final_text, prompt_text=row.question,
+        label=row.label, metadata=metadata, agent_stats=trajectory_stats(trajectory))
+
+
 def trajectory_stats(trajectory: Trajectory) -> dict:
     """What the trainer's metrics need of a trajectory (a bus field: JSON-safe)."""
     return {"turns": trajectory.turns, "masked_tokens": trajectory.masked_tokens,
+            "dropped_calls": trajectory.dropped_calls,
             "tool_calls": [[c.tool, c.outcome, round(c.latency_s, 4)] for c in trajectory.tool_calls]}
 

@@ -77,10 +77,15 @@ def generation_engine(config: RunConfig, settings: EngineSettings, path: Path, m
 def build_rollout(config: RunConfig, path: Path) -> Rollout:
     """One response per prompt, or whole multi-turn trajectories when `rollout.agent` is set."""
     engine, tokenizer = generation_engine(config, config.rollout, path, config.rollout.max_batch_size)
-    if config.rollout.agent is not None:
+    r = config.rollout
+    if r.agent is not None:
         from rlx.agents.setup import build_agent_rollout
 
         return build_agent_rollout(config, engine, tokenizer)
+    if r.agent_app is not None:
+        from rlx.agents.app_rollout import AgentAppRollout
+
+        return AgentAppRollout(engine, tokenizer, r.agent_app, r.agent_app_timeout_s, r.max_batch_size)
     return Rollout(engine, tokenizer)
 
 

@@ -85,6 +85,7 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
         "agent_cut_fraction": sum(s.finish_reason in CUT_REASONS
                                   for s in samples if s.agent_stats is not None) / len(stats),
         "agent_masked_token_fraction": sum(entry["masked_tokens"] for entry in stats) / max(1, tokens),
+        "agent_dropped_calls": float(sum(entry.get("dropped_calls", 0) for entry in stats)),
     }
     if calls:
         metrics["agent_tool_latency_mean_s"] = sum(latency for _, _, latency in calls) / len(calls)

@@ -99,6 +99,8 @@ def environment_reward(extract: str) -> RewardFn:
     """The reward a multi-turn environment gave at the end of its episode (`rollout.agent`)."""
 
     def score(completion: str, label: str, metadata: dict[str, Any]) -> float:
+        if "env_error" in metadata:
+            raise RuntimeError(f"the episode failed: {metadata['env_error']}")
         if "env_reward" not in metadata:
             raise KeyError("reward.name=environment: this trajectory's environment gave no reward; use an "
                            "environment that returns one at the end (EnvStep.reward), or another reward.name")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import zlib
 from typing import Any
 
 from openai import AsyncOpenAI, OpenAI
@@ -84,3 +85,16 @@ def by_row(base_url: str, api_key: str, row: dict[str, Any]) -> float:
         return row["metadata"]["reward"]
     return {"raises": raises, "hangs": hangs, "returns_text": returns_text, "exits": exits,
             "never_calls": never_calls}[fault](base_url, api_key, row)
+
+
+def toy_chat(base_url: str, api_key: str, row: dict[str, Any]) -> float:
+    """Two chat turns in one conversation; the reward varies with the final reply. On odd-numbered
+    rows the app fails after its calls (fault injection: its episode must fail alone)."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": row["prompt"]}]
+    first = client.chat.completions.create(model=MODEL, messages=messages).choices[0].message.content or ""
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "again"}]
+    final = client.chat.completions.create(model=MODEL, messages=messages).choices[0].message.content or ""
+    if row["metadata"]["index"] % 2:
+        raise RuntimeError("this episode's app fails")
+    return (zlib.crc32(final.encode()) % 1000) / 1000

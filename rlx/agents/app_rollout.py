@@ -1,0 +1,63 @@
+"""Agent-app rollouts: a user's agent program plays each episode through the OpenAI-compatible
+endpoint, and the calls it made become the sample.
+
+The bus hands out prompt groups whole, `rollout.n` samples each, so an episode is one sample: the
+trajectory with the most policy tokens (a chat app that continues its conversation merges all its
+calls into that one). Calls that extend neither it nor each other are recorded and counted
+(`agent_dropped_calls`), not trained. A failed episode (the app raised, hung, returned garbage or
+never called the model) still yields its sample, with the failure in `metadata.env_error`, which
+`reward.name=environment` turns into a failed reward: it is counted and never trained on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from rlx.agents.agent_app import AgentAppRunner, app_row, check_app
+from rlx.agents.chat import ChatTokens
+from rlx.agents.episodes import EpisodeResult
+from rlx.agents.loop import ConcurrentRollout
+from rlx.agents.openai_server import AgentServer, ServerLimits
+from rlx.agents.trajectory import Trajectory
+from rlx.data.rows import PromptRow
+from rlx.engines.generation.base import SamplingParams
+from rlx.engines.generation.engine_loop import EngineLoop
+from rlx.rewards.pool import RewardPool
+
+
+class AgentAppRollout(ConcurrentRollout):
+    def __init__(self, engine, tokenizer, app: str, timeout_s: float, concurrency: int) -> None:
+        super().__init__(engine, tokenizer, concurrency)
+        check_app(app)
+        self.app, self.timeout_s = app, timeout_s
+        self.chat = ChatTokens(tokenizer)
+        self.pool = RewardPool(concurrency)  # app processes stay warm from one `generate` to the next
+        self._runner: AgentAppRunner | None = None
+
+    @contextlib.contextmanager
+    def session(self, loop: EngineLoop, params: SamplingParams) -> Iterator[None]:
+        """The endpoint lives as long as one `generate`; every call samples at the rollout's settings,
+        so the trainer's log-probs (at `rollout.temperature`) are those the engine sampled from."""
+        limits = ServerLimits(max_tokens=params.max_new_tokens, temperature=params.temperature)
+        with AgentServer(loop, self.tokenizer, limits) as server:
+            self._runner = AgentAppRunner(server, self.app, self.timeout_s, self.concurrency, pool=self.pool)
+            try:
+                yield
+            finally:
+                self._runner = None
+
+    def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
+        assert self._runner is not None, "respond runs inside generate's session"
+        return self.episode_trajectory(self._runner.run_episode(app_row(row)), row)
+
+    def episode_trajectory(self, episode: EpisodeResult, row: PromptRow) -> Trajectory:
+        if episode.trajectories:
+            main = max(episode.trajectories, key=lambda t: sum(t.loss_mask))
+            main.dropped_calls = len(episode.trajectories) - 1
+        else:  # nothing to train on: the sample only carries the failure
+            prompt = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
+            main = Trajectory(self.chat.prompt_ids(prompt), finish_reason="no_calls")
+        if not episode.ok:
+            main.env_reward, main.env_error = None, f"{episode.failure}: {episode.error}"
+        return main
