@@ -163,3 +163,28 @@ def test_weights_load_between_steps_and_in_flight_requests_continue(engine, tiny
         assert len(r.response_ids) == len(r.logprobs) and (len(r.response_ids) == 12 or r.response_ids[-1] == 2)
     assert all(r.weight_version == 1 for r in late)
     assert _max_logprob_gap(trainer, tokenizer, late, 1.0) < LOGPROB_TOLERANCE
+
+
+def test_multi_turn_trajectories_on_vllm_keep_the_engines_tokens_and_logprobs(engine, tiny_vllm_path):
+    """Each turn is a new request with the whole context (vLLM's prefix cache serves the prefix);
+    the trainer scores every policy token of the trajectory with the engine's log-prob."""
+    from rlx.agents.environments import user_environment
+    from rlx.agents.loop import AgentRollout, TurnLimits
+    from rlx.data.rows import PromptRow
+    from rlx.roles.batching import samples_to_batch
+
+    engine, tokenizer = engine
+    factory = user_environment("tests.integration.agent_envs:ScriptedTool", {"rounds": 2, "describe_tools": False})
+    rollout = AgentRollout(engine, tokenizer, factory, TurnLimits(4, 120), concurrency=4)
+    stops = tuple(tokenizer.convert_tokens_to_ids(list("aeiou0123456789")))
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=stops, seed=3)
+    groups = [(i, PromptRow(p, ""), []) for i, p in enumerate(PROMPTS)]
+    samples = list(rollout.generate(groups, 2, params))
+    assert len(samples) == 8 and any(s.agent_stats["turns"] == 3 for s in samples)
+    model, _ = load_pretrained(tiny_vllm_path)
+    with torch.no_grad():
+        trained, _ = token_logprobs(model, samples_to_batch(samples, tokenizer.pad_token_id), 1.0)
+    for row, sample in enumerate(samples):
+        mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+        gap = (trained[row, : len(sample.response_ids)][mask] - torch.tensor(sample.rollout_logprobs)[mask]).abs()
+        assert gap.max().item() < LOGPROB_TOLERANCE
