@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from rlx.data.rows import PromptRow
 import torch
 
 from rlx.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, LossInputs
@@ -106,7 +108,8 @@ def examples() -> dict[str, str]:
 def test_every_example_has_a_check():
     assert set(examples()) == {"my_rewards.py", "sample_reward.yaml", "group_reward.yaml", "my_judges.py",
                                "judge.yaml", "my_engines.py", "engine.yaml", "my_losses.py", "loss.yaml",
-                               "my_advantages.py", "my_samplers.py", "make_data.py", "data.yaml"}
+                               "my_advantages.py", "my_samplers.py", "make_data.py", "data.yaml",
+                               "my_agents.py", "agent.yaml"}
 
 
 @pytest.fixture()
@@ -127,6 +130,20 @@ def doc_examples(tmp_path, monkeypatch):
 
 def example_config(name: str, **extra: dict) -> RunConfig:
     return build_config({**parse_yaml(examples()[name]), **extra})
+
+
+def test_environment_and_tool_examples_play_through_the_agent_setup(doc_examples):
+    from rlx.agents.setup import environment_factory
+    from rlx.agents.tools import ToolBox, build_tool
+
+    env = environment_factory(example_config("agent.yaml"), None)()
+    assert env.reset(PromptRow("", "30"))[0]["content"] == "Guess my number between 1 and 50."
+    assert env.step("is it 20?").observation == [{"role": "user", "content": "higher"}]
+    assert env.step("30").done
+    box = ToolBox([build_tool("my_agents:Convert")])
+    assert box.call("convert", {"value": 2, "source": "km", "target": "m"}).text == "2000"
+    unknown = box.call("convert", {"value": 2, "source": "km", "target": "parsec"})
+    assert unknown.outcome == "error" and "unknown unit 'parsec'" in unknown.text
 
 
 def test_sample_reward_example_scores_in_the_reward_pool(doc_examples):
