@@ -33,7 +33,7 @@ class TemplateDrift(ValueError):
 
 def tool_prompt(tool_specs: list[dict]) -> str:
     """How tools are described to a model whose chat template has no tool support (Hermes style)."""
-    listed = "\n".join(json.dumps(spec["function"] if "function" in spec else spec) for spec in tool_specs)
+    listed = "\n".join(json.dumps(spec.get("function", spec)) for spec in tool_specs)
     return ("You can call these tools:\n<tools>\n" + listed + "\n</tools>\n"
             'To call a tool, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call> '
             "and stop; its result comes back in a message from the tool. When you know the answer, "

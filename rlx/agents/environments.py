@@ -15,7 +15,7 @@ as keyword arguments, one instance per trajectory.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +41,7 @@ class Environment(abc.ABC):
     """One episode. `tool_specs` are the OpenAI-style specs the chat template (or the system
     prompt) shows the policy; an environment without tools leaves them empty."""
 
-    tool_specs: list[dict] = []
+    tool_specs: Sequence[dict] = ()
 
     @abc.abstractmethod
     def reset(self, row: PromptRow) -> Messages:

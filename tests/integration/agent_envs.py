@@ -10,13 +10,13 @@ from rlx.data.rows import PromptRow
 class ScriptedTool(Environment):
     """Answers each turn with a tool result until `rounds` results were given, then ends."""
 
-    tool_specs = [{"type": "function", "function": {"name": "lookup", "description": "look a value up",
-                                                    "parameters": {"type": "object", "properties": {}}}}]
+    tool_specs = ({"type": "function", "function": {"name": "lookup", "description": "look a value up",
+                                                    "parameters": {"type": "object", "properties": {}}}},)
 
     def __init__(self, rounds: int = 2, describe_tools: bool = True) -> None:
         self.rounds, self.given = rounds, 0
         if not describe_tools:  # a short prompt: no tool description in the system prompt
-            self.tool_specs = []
+            self.tool_specs = ()
 
     def reset(self, row: PromptRow) -> list[dict]:
         return [{"role": "user", "content": row.prompt}]

@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from rlx.data.rows import PromptRow
 import torch
 
 from rlx.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, LossInputs
