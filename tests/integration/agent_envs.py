@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import ClassVar
+
 from rlx.agents import Environment, EnvStep
 from rlx.agents.trajectory import ToolCallRecord
 from rlx.data.rows import PromptRow
@@ -37,3 +41,22 @@ class Broken(Environment):
 
     def step(self, action: str) -> EnvStep:
         raise RuntimeError("the environment is broken")
+
+
+class SlowTool(ScriptedTool):
+    """ScriptedTool whose tool takes `seconds` of wall time; every call's (start, end) goes to `calls`,
+    shared by all instances, so a test can see which trajectories' tools and turns overlapped."""
+
+    calls: ClassVar[list[tuple[float, float]]] = []
+    _lock = threading.Lock()
+
+    def __init__(self, rounds: int = 2, seconds: float = 0.5) -> None:
+        super().__init__(rounds, describe_tools=False)
+        self.seconds = seconds
+
+    def step(self, action: str) -> EnvStep:
+        start = time.monotonic()
+        time.sleep(self.seconds)
+        with self._lock:
+            self.calls.append((start, time.monotonic()))
+        return super().step(action)

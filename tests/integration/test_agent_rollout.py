@@ -123,3 +123,15 @@ def test_an_environment_that_raises_ends_only_its_trajectory(tiny):
     assert len(samples) == 6
     assert {s.finish_reason for s in samples} <= {"env_error", "length"}
     assert any(s.finish_reason == "env_error" for s in samples)
+
+
+def test_tools_of_different_trajectories_run_while_other_turns_decode(tiny):
+    """A step is called when a policy turn finished decoding: one starting while another trajectory's
+    tool runs means that turn decoded while the other trajectory waited out of the batch."""
+    from tests.integration.agent_envs import SlowTool
+
+    SlowTool.calls.clear()
+    samples = _play(_rollout(tiny, environment="SlowTool", options={"rounds": 2, "seconds": 0.3}), tiny[1])
+    assert len(samples) == 6 and any(s.agent_stats["turns"] == 3 for s in samples)
+    calls = sorted(SlowTool.calls)
+    assert any(a_start < b_start < a_end for (a_start, a_end), (b_start, _) in zip(calls, calls[1:]))

@@ -82,3 +82,34 @@ def test_an_nccl_broadcast_group_forms_and_broadcasts_a_bucket():
     assert group.device.type == "cuda"
     buffer = torch.arange(1 << 20, dtype=torch.uint8, device=group.device)
     assert torch.equal(group.broadcast(buffer.clone()), buffer)
+
+
+def test_a_trajectory_waiting_on_a_tool_frees_its_slot_and_resumes_bf16(tiny_path):
+    """Multi-turn on a bf16 GPU engine: while one trajectory's tool runs, other trajectories' turns
+    decode (its batch slot is free); its next turn resumes from the whole context, and the trainer
+    scores every policy token with about the engine's log-prob (bf16 on both sides)."""
+    from rlx.agents.environments import user_environment
+    from rlx.agents.loop import AgentRollout, TurnLimits
+    from rlx.data.rows import PromptRow
+    from rlx.roles.batching import samples_to_batch
+    from tests.integration.agent_envs import SlowTool
+
+    model, tokenizer = load_pretrained(tiny_path, "bfloat16", "cuda")
+    engine = HFGenerationEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer), tokenizer, 8)
+    factory = user_environment("tests.integration.agent_envs:SlowTool", {"rounds": 2, "seconds": 0.5})
+    rollout = AgentRollout(engine, tokenizer, factory, TurnLimits(4, 120), concurrency=8)
+    stops = tuple(tokenizer.convert_tokens_to_ids(list("aeiou0123456789")))
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=stops, seed=3)
+    SlowTool.calls.clear()
+    samples = list(rollout.generate([(i, PromptRow(p, ""), []) for i, p in enumerate(PROMPTS)], 2, params))
+    assert len(samples) == 8 and any(s.agent_stats["turns"] == 3 for s in samples)
+    # a step is called when a policy turn finished decoding: one starting while another tool runs
+    # means that turn decoded while the other trajectory waited, out of the batch
+    calls = sorted(SlowTool.calls)
+    assert any(a_start < b_start < a_end for (a_start, a_end), (b_start, _) in zip(calls, calls[1:]))
+    with torch.no_grad():
+        trained, _ = token_logprobs(model, samples_to_batch(samples, tokenizer.pad_token_id), 1.0)
+    for row, sample in enumerate(samples):
+        mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+        engine_logprobs = torch.tensor(sample.rollout_logprobs)[mask]
+        assert (trained[row, : len(sample.response_ids)].float().cpu()[mask] - engine_logprobs).abs().max() < 5e-2
