@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from rlx.data.rows import PromptRow
 from rlx.engines.generation.base import SamplingParams
+from rlx.orchestration.reports import agent_metrics
 from rlx.roles import Reward, Rollout
 
 
@@ -27,4 +28,5 @@ def evaluate(rollout: Rollout, reward: Reward, rows: list[PromptRow], encode: Ca
         "eval_reward_failed": float(sum(s.reward_error is not None for s in samples)),
         "eval_response_length": sum(len(s.response_ids) for s in samples) / len(samples),
         "time_eval_s": time.perf_counter() - start,
+        **{f"eval_{name}": value for name, value in agent_metrics(samples).items()},
     }

@@ -135,3 +135,14 @@ def test_tools_of_different_trajectories_run_while_other_turns_decode(tiny):
     assert len(samples) == 6 and any(s.agent_stats["turns"] == 3 for s in samples)
     calls = sorted(SlowTool.calls)
     assert any(a_start < b_start < a_end for (a_start, a_end), (b_start, _) in zip(calls, calls[1:]))
+
+
+def test_held_out_evaluation_plays_whole_trajectories(tiny):
+    from rlx.orchestration.evaluation import evaluate
+    from rlx.rewards import build_reward
+    from rlx.roles import Reward
+
+    reward = Reward(build_reward("environment", "none"))
+    metrics = evaluate(_rollout(tiny, options={"rounds": 1}), reward, ROWS, lambda row: [], _params(tiny[1]))
+    assert metrics["eval_agent_turns_mean"] > 1.0 and metrics["eval_agent_masked_token_fraction"] > 0.0
+    assert metrics["eval_reward_failed"] + 3 * metrics["eval_accuracy"] == 3  # env reward 1.0 unless cut
