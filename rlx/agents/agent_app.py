@@ -38,6 +38,7 @@ from rlx.rewards.pool import RewardFailure, RewardPool, RewardSpec
 from rlx.rewards.safe import check_score
 
 SETTING = "rollout.agent_app"
+TIMEOUT_SETTING = "rollout.agent_app_timeout_s"
 
 
 def app_row(row: PromptRow) -> dict[str, Any]:
@@ -79,10 +80,10 @@ class AgentAppRunner:
         start = time.monotonic()
         try:
             value = self.pool.call(self.spec, (self.server.base_url(episode_id), self.server.token, row),
-                                   self.timeout_s)
+                                   self.timeout_s, TIMEOUT_SETTING)
         except RewardFailure as failure:
             value = None
-            result.failure, result.error = failure.kind, self._failure_message(failure)
+            result.failure, result.error = failure.kind, f"the agent app failed: {failure}"
         finally:
             calls = self.server.close_episode(episode_id)
         result.duration_s = time.monotonic() - start
@@ -108,11 +109,6 @@ class AgentAppRunner:
             return []
         with ThreadPoolExecutor(min(len(rows), self.pool.max_workers), thread_name_prefix="rlx-episode") as threads:
             return list(threads.map(self.run_episode, rows))
-
-    def _failure_message(self, failure: RewardFailure) -> str:
-        if failure.kind == "timeout":
-            return f"the agent app did not finish within {self.timeout_s}s; its process was killed"
-        return f"the agent app failed: {failure}"
 
     def close(self) -> None:
         if self._owns_pool:

@@ -22,8 +22,8 @@ Each call is recorded in its episode before the reply is sent (`rlx.agents.episo
 ids as rendered, the completion ids and log-probs as generated, the weight versions. An unknown or
 ended episode is 404; a call still generating when its episode ends is answered 404 and not kept.
 
-The management API's guard (`rlx.orchestration.api.Guard`) fronts the app: Host header, bearer
-token and concurrency are checked before the body is read, and the body has a size limit.
+`rlx.http_guard.Guard` fronts the app, as it fronts the management API: Host header, bearer token
+and concurrency are checked before the body is read, and the body has a size limit.
 """
 
 from __future__ import annotations
@@ -31,14 +31,12 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -49,7 +47,7 @@ from rlx.agents.episodes import CallRecord, EpisodeClosed, EpisodeRecorder, Epis
 from rlx.agents.parsers import parse_hermes
 from rlx.engines.generation.base import SamplingParams
 from rlx.engines.generation.engine_loop import EngineLoop, EngineLoopStopped
-from rlx.orchestration.api import LOOPBACK_NAMES, Guard, free_port
+from rlx.http_guard import LOOPBACK_NAMES, Guard, ServerThread, free_port
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -200,12 +198,11 @@ class AgentServer:
         self.token = secrets.token_urlsafe(32)
         self.episodes = Episodes()
         self.port = port or free_port()
-        self.url = f"http://{host}:{self.port}"
         self.created = int(time.time())
         app = Guard(self._build_app(), self.token, LOOPBACK_NAMES | {host.lower()}, self.limits.max_body_bytes,
-                    self.limits.max_concurrent)
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, name="rlx-agent-server", daemon=True)
+                    self.limits.max_concurrent, token_hint="the api_key rlx passes to the agent app")
+        self._serving = ServerThread(app, host, self.port, "the agent-app endpoint", "rlx-agent-server")
+        self.url = self._serving.url
 
     def base_url(self, episode_id: str) -> str:
         return f"{self.url}/episodes/{episode_id}/v1"
@@ -220,17 +217,11 @@ class AgentServer:
 
     def start(self, timeout_s: float = 30.0) -> Self:
         """Returns once the server accepts connections."""
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the agent-app endpoint did not start on {self.url}")
-            time.sleep(0.05)
+        self._serving.start(timeout_s)
         return self
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._serving.stop()
 
     def __enter__(self) -> Self:
         return self.start()

@@ -1,11 +1,12 @@
 """The management API of a running async job (FastAPI on 127.0.0.1, OpenAPI at /openapi.json).
 
 Every route, reads and the docs included, needs the bearer token generated for this run and
-written, readable only by its owner, to `<run_dir>/api_token`. A guard in front of the app answers
-before any body is read: a Host header other than this machine's names is 421 (DNS rebinding), a
-missing or wrong token 401, more than `max_concurrent` requests at once 429; a body over
-`max_body_bytes` is 413. One scale operation (the API's or the autoscaler's) runs at a time; a
-second one gets 409, as does one the cluster cannot place; one that does not finish in time is 504.
+written, readable only by its owner, to `<run_dir>/api_token`. A guard in front of the app
+(`rlx.http_guard.Guard`) answers before any body is read: a Host header other than this machine's
+names is 421 (DNS rebinding), a missing or wrong token 401, more than `max_concurrent` requests at
+once 429; a body over `max_body_bytes` is 413. One scale operation (the API's or the autoscaler's)
+runs at a time; a second one gets 409, as does one the cluster cannot place; one that does not
+finish in time is 504.
 """
 
 from __future__ import annotations
@@ -13,29 +14,18 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
-import threading
-import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import uvicorn
 from fastapi import FastAPI, HTTPException, Security
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlx.http_guard import LOOPBACK_NAMES, TOKEN_HINT, Guard, ServerThread, free_port
+
 MAX_ROLLOUT_REPLICAS = 16
 MAX_BODY_BYTES = 64 * 1024  # the largest body any route takes is a few bytes of JSON
 MAX_CONCURRENT = 8
-LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
-TOKEN_HINT = "it is in <run_dir>/api_token"
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class ScaleInProgress(RuntimeError):
@@ -90,112 +80,6 @@ class Info(BaseModel):
     message: str
 
 
-def header(scope: Scope, name: bytes) -> bytes | None:
-    """The first value of a request header (ASGI names are lower-case bytes)."""
-    return next((value for key, value in scope["headers"] if key == name), None)
-
-
-def host_name(value: bytes | None) -> str | None:
-    """The host part of a Host header, lower-cased: `[::1]:80` -> `::1`, `Localhost:8` -> `localhost`."""
-    if not value:
-        return None
-    text = value.decode("latin-1").strip().lower()
-    if text.startswith("["):
-        return text[1:text.find("]")] if "]" in text else None
-    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
-
-
-class Guard:
-    """ASGI middleware in front of the whole app, so no route (nor /docs) can be reached past it.
-    Host, token and concurrency are checked from the headers alone; the body is then read up to
-    the limit and handed on."""
-
-    def __init__(self, app: Asgi, token: str, hosts: frozenset[str], max_body_bytes: int,
-                 max_concurrent: int) -> None:
-        self.app, self.token, self.hosts = app, token.encode("ascii"), hosts
-        self.max_body_bytes, self.max_concurrent = max_body_bytes, max_concurrent
-        self.active = 0  # requests past the checks; only the event loop's thread touches it
-
-    def authorized(self, scope: Scope) -> bool:
-        """Compared as bytes: a token with non-ASCII bytes is simply wrong, not an error."""
-        value = header(scope, b"authorization") or b""
-        scheme, _, credentials = value.partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(credentials.strip(), self.token)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self.app(scope, receive, send)
-            return
-        if scope["type"] != "http":  # no route takes a websocket: refused before the app sees it
-            await send({"type": "websocket.close", "code": 1008})
-            return
-        if host_name(header(scope, b"host")) not in self.hosts:
-            await reply(send, 421, f"Host must be one of {sorted(self.hosts)} (this API serves this machine only)")
-            return
-        if not self.authorized(scope):
-            await reply(send, 401, f"missing or wrong bearer token ({TOKEN_HINT})",
-                        [(b"www-authenticate", b"Bearer")])
-            return
-        if self.active >= self.max_concurrent:
-            await reply(send, 429, f"more than {self.max_concurrent} requests at once; retry shortly",
-                        [(b"retry-after", b"1")])
-            return
-        self.active += 1
-        try:
-            body = await self.read_body(scope, receive)
-            if body is None:
-                await reply(send, 413, f"request body over {self.max_body_bytes} bytes")
-                return
-            if body is GONE:  # the client left mid-body: an aborted stop or checkpoint never runs
-                return
-            await self.app(scope, replay(body, receive), send)
-        finally:
-            self.active -= 1
-
-    async def read_body(self, scope: Scope, receive: Receive) -> bytes | None:
-        """The whole body; None once it is over the limit (by Content-Length, or by what arrives);
-        `GONE` if the client disconnected before sending all of it."""
-        declared = header(scope, b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            return None
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return GONE
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                return None
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
-
-GONE = b"<the client disconnected>"  # compared by identity: no real body is this object
-
-
-def replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that gives the app the body already read, then waits on the client as usual."""
-    sent = False
-
-    async def again() -> Message:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return again
-
-
-async def reply(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *(headers or [])]})
-    await send({"type": "http.response.body", "body": body})
-
-
 def build_api(control: RunControl, token: str, host: str = "127.0.0.1", max_body_bytes: int = MAX_BODY_BYTES,
               max_concurrent: int = MAX_CONCURRENT) -> Guard:
     """The app behind its guard; `host` (the bound address) is accepted in Host headers besides loopback."""
@@ -242,12 +126,6 @@ def build_api(control: RunControl, token: str, host: str = "127.0.0.1", max_body
     return Guard(app, token, LOOPBACK_NAMES | {host.lower()}, max_body_bytes, max_concurrent)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class ApiServer:
     """Serves the API on a thread; writes `api.json` (its URL) and `api_token` (mode 0600) to the run dir."""
 
@@ -255,7 +133,6 @@ class ApiServer:
                  max_concurrent: int = MAX_CONCURRENT) -> None:
         self.token = secrets.token_urlsafe(32)
         self.port = port or free_port()
-        self.url = f"http://{host}:{self.port}"
         self.run_dir = run_dir
         token_file = run_dir / "api_token"
         token_file.unlink(missing_ok=True)
@@ -263,21 +140,14 @@ class ApiServer:
         with os.fdopen(fd, "w") as out:
             out.write(self.token)
         app = build_api(control, self.token, host, max_concurrent=max_concurrent)
-        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="rlx-api", daemon=True)
+        self.serving = ServerThread(app, host, self.port, "the management API", "rlx-api")
+        self.url = self.serving.url
 
     def start(self, timeout_s: float = 30.0) -> ApiServer:
         """Returns once the server accepts connections; only then is `api.json` written."""
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the management API did not start on {self.url}")
-            time.sleep(0.05)
+        self.serving.start(timeout_s)
         (self.run_dir / "api.json").write_text(json.dumps({"url": self.url}))
         return self
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.serving.stop()

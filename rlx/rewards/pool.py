@@ -23,10 +23,11 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Self
 
 RewardFn = Callable[..., Any]
 START_TIMEOUT_S = 120.0  # starting a worker and importing a reward's module, not counted in reward.timeout_s
@@ -170,13 +171,15 @@ class RewardPool:
         with self._cond:
             return [w.proc.pid for w in self._workers]
 
-    def call(self, spec: RewardSpec, args: tuple, timeout_s: float | None) -> Any:
-        """The reward's value for `args`, or RewardFailure naming why there is none."""
+    def call(self, spec: RewardSpec, args: tuple, timeout_s: float | None,
+             timeout_setting: str = "reward.timeout_s") -> Any:
+        """The reward's value for `args`, or RewardFailure naming why there is none; a timeout's
+        message names `timeout_setting`, the config key that set `timeout_s`."""
         worker = self._checkout()
         try:
             self._prepare(worker, spec)
             return worker.request(("call", spec, args, _self_destruct(timeout_s)), timeout_s,
-                                  f"no result within reward.timeout_s={timeout_s}s")
+                                  f"no result within {timeout_setting}={timeout_s}s")
         finally:
             self._checkin(worker)
 
@@ -235,7 +238,7 @@ class RewardPool:
         for worker in idle:
             worker.stop()
 
-    def __enter__(self) -> RewardPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
