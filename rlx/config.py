@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rlx.errors import ConfigError
 from rlx.generation_engines import GENERATION_ENGINES
@@ -655,15 +663,20 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
+def read_yaml_mapping(path: str | Path | None, what: str = "config file") -> dict[str, Any]:
+    """The mapping a YAML file holds (empty for no file); any other content is a ConfigError naming `what`."""
+    if path is None:
+        return {}
+    try:
+        raw = parse_yaml(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {str(path)!r} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} {str(path)!r} must hold a mapping of keys, got {type(raw).__name__}")
+    return raw
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = parse_yaml(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
-    return build_config(apply_overrides(raw, list(overrides)))
+    return build_config(apply_overrides(read_yaml_mapping(path), list(overrides)))

@@ -11,10 +11,9 @@ import difflib
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rlx.config import apply_overrides, parse_yaml
+from rlx.config import apply_overrides, read_yaml_mapping
 from rlx.errors import ConfigError
 
 
@@ -60,16 +59,7 @@ def _describe(error: dict) -> str:
 
 def load_sft_config(path: str | Path | None, overrides: list[str] = ()) -> SFTConfig:
     """An SFTConfig from an optional YAML file and `key=value` overrides (YAML scalars, as `rlx train`)."""
-    raw: dict = {}
-    if path is not None:
-        try:
-            raw = parse_yaml(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"sft config file {str(path)!r} does not exist") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"sft config file {str(path)!r} is not valid YAML: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"sft config file {str(path)!r} must hold a mapping of keys, got {type(raw).__name__}")
+    raw = read_yaml_mapping(path, "sft config file")
     try:
         return SFTConfig.model_validate(apply_overrides(raw, list(overrides)))
     except ValidationError as exc:
