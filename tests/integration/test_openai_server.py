@@ -148,7 +148,7 @@ def test_a_misbehaving_app_fails_only_its_own_episode(server, pool):
     assert good.ok and good.reward == 2.0 and len(good.trajectories) == 1
     assert [r.failure for r in results] == ["error", "timeout", "bad_value", "crash", "no_calls"]
     assert all(r.reward is None and all(t.env_reward is None for t in r.trajectories) for r in results)
-    assert "the agent app is broken" in results[0].error and "within 4.0s" in results[1].error
+    assert "the agent app is broken" in results[0].error and "rollout.agent_app_timeout_s=4.0s" in results[1].error
     assert "'great'" in results[2].error
     assert [r.calls for r in results] == [1, 1, 1, 1, 0], "calls made before the failure are still recorded"
     assert runner.failures == {"error": 1, "timeout": 1, "bad_value": 1, "crash": 1, "no_calls": 1}
