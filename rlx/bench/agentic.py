@@ -5,11 +5,14 @@ by a real calculator call through a `ToolBox` with `extra_latency_s` (a fixed wa
 uses no CPU, standing in for a remote sandbox or web API), the last turn ends the episode. A
 random-init model cannot write a tool call, so the bench environment (`ToolTurns`) treats every
 turn before the last as one: the calls, their latency and their metrics are real, only the
-decision to call is scripted. Turns end on one of a few frequent characters, so they are short
-(a handful of tokens) and rarely cut.
+decision to call is scripted. Turns end on one of many frequent characters, so they are short
+(a few tokens, as a tool call is cheap next to its latency) and never cut.
 
-Same model, prompts, samples per step, steps, engine, sampling settings and trajectory
-concurrency in every mode; measured one mode after the other in one run.
+Same model, prompts, samples per step, steps, engine, sampling settings, PPO epochs and
+trajectory concurrency in every mode; the modes run one after the other in one process. The
+default work balances the phases of a colocated step: the Rollout's (mostly waiting on tools)
+and the Actor's (2 PPO epochs) take comparable time, which is when colocate leaves the cores
+idle and an async schedule can overlap them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
+import psutil
 import requests
 
 from rlx.agents.environments import Environment, EnvStep
@@ -67,13 +71,22 @@ class Work:
 
     prompts_per_step: int = 8
     n: int = 8
-    tool_calls: int = 2
+    tool_calls: int = 3
     tool_latency_s: float = 1.0
-    concurrency: int = 128  # trajectories in flight (async runs the next step's while one trains)
-    hidden: int = 512
+    concurrency: int = 192  # trajectories in flight: 3 steps' worth, all that max_staleness=2 admits
+    hidden: int = 256
     layers: int = 4
+    ppo_epochs: int = 2
     actor_threads: int = 2
-    turn_stops: str = "aeiouAEIOU0123456789 "  # characters that end a policy turn (here ~1 in 5)
+    turn_stops: str = "abcdefghijklmnopqrstuvwxyz0123456789 "  # end a policy turn: about 3 tokens a turn
+
+    def describe(self) -> str:
+        return (f"Work per step: {self.prompts_per_step} prompts x {self.n} trajectories, each "
+                f"{self.tool_calls + 1} policy turns and {self.tool_calls} calculator calls of "
+                f"{self.tool_latency_s:g} s wall time without CPU; a random-init Llama {self.hidden} wide, "
+                f"{self.layers} layers; {self.ppo_epochs} PPO epochs; up to {self.concurrency} trajectories in "
+                f"flight. Colocate runs every phase on 2 threads; async gives the Actor {self.actor_threads}, "
+                f"the Rollout and ActorFwd 1 each.")
 
 
 def write_prompts(path: Path, count: int = 512) -> Path:
@@ -101,10 +114,10 @@ def bench_config(mode: str, staleness: int, work_dir: Path, model: Path, data: P
         "reward": {"name": "exact_match", "extract": "none"},
         "algorithm": {"filter_zero_std_groups": False},
         "train": {"mode": mode, "max_staleness": staleness, "steps": steps, "lr": 1e-5, "micro_batch_size": 16,
-                  "eval_every": 0},
+                  "eval_every": 0, "ppo_epochs": work.ppo_epochs},
         "resources": {"num_threads": 2, "rollout": {"threads": 1, "num_cpus": 1},
-                      "actor": {"threads": work.actor_threads, "num_cpus": 1}},
-        "logging": {"run_dir": str(work_dir / f"{mode}-s{staleness}"), "progress_bar": False},
+                      "actor": {"threads": work.actor_threads, "num_cpus": 1}, "actor_fwd": {"threads": 1}},
+        "logging": {"run_dir": str(work_dir / f"agentic-{mode}-s{staleness}"), "progress_bar": False},
     })
 
 
@@ -154,6 +167,55 @@ class BusyProbe:
         return min(1.0, (busy1 - busy0) / (clock1 - clock0))
 
 
+class CpuShare:
+    """Cores used during one mode by this benchmark's processes (the bench and its Ray cluster) and
+    by everything else on the machine: on a shared machine, the second is the load to report."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self.first: dict[tuple[int, float], float] = {}  # (pid, start time) -> CPU seconds when the mode began
+        self.last: dict[tuple[int, float], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="rlx-bench-cpu-share", daemon=True)
+
+    def __enter__(self) -> Self:
+        self.started_epoch, self.started, self.machine = time.time(), time.monotonic(), _machine_busy_s()
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        wall_s = time.monotonic() - self.started
+        self.own_cores = sum(self.last[key] - self.first[key] for key in self.last) / wall_s
+        self.other_cores = max(0.0, (_machine_busy_s() - self.machine) / wall_s - self.own_cores)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        """A process started during the mode counts from zero; one that exits between two samples
+        loses at most its last `every_s` of CPU time."""
+        me = psutil.Process()
+        for process in [me, *me.children(recursive=True)]:
+            try:
+                with process.oneshot():
+                    started, times = process.create_time(), process.cpu_times()
+            except psutil.Error:
+                continue  # exited meanwhile
+            key, used = (process.pid, started), times.user + times.system
+            self.first.setdefault(key, 0.0 if started >= self.started_epoch else used)
+            self.last[key] = used
+
+
+def _machine_busy_s() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+
+
 def agent_summary(config: RunConfig) -> dict[str, float]:
     steps = [r for r in read_metrics(config.run_dir) if "reward_mean" in r]
     keys = ("agent_turns_mean", "agent_tool_calls_mean", "agent_tool_latency_mean_s", "agent_cut_fraction")
@@ -166,21 +228,22 @@ def run_agentic_benchmark(work_dir: Path, steps: int = 10, work: Work = Work(),
     from rlx.orchestration.colocate import run_colocate
 
     work_dir.mkdir(parents=True, exist_ok=True)
-    model = build_tiny(work_dir / "model", hidden=work.hidden, layers=work.layers, heads=8, seed=0)
-    data = write_prompts(work_dir / "prompts.jsonl")
+    model = build_tiny(work_dir / "agentic-model", hidden=work.hidden, layers=work.layers, heads=8, seed=0)
+    data = write_prompts(work_dir / "agentic-prompts.jsonl")
     results = []
     for mode, staleness in modes:
         config = bench_config(mode, staleness, work_dir, model, data, steps, work)
         start = time.perf_counter()
         if mode == "colocate":
-            run_colocate(config, overwrite=True, echo=lambda _: None)
+            with CpuShare() as cpu:
+                run_colocate(config, overwrite=True, echo=lambda _: None)
             row = summarize(config, time.perf_counter() - start)
         else:
-            with BusyProbe(config.run_dir) as probe:
+            with CpuShare() as cpu, BusyProbe(config.run_dir) as probe:
                 run_async(config, overwrite=True, echo=lambda _: None)
             row = summarize(config, time.perf_counter() - start)
             row.update({f"busy_{role}": probe.busy(role, 1, steps) for role in ("actor", "rollout")})
-        results.append({**row, **agent_summary(config)})
+        results.append({**row, **agent_summary(config), "own_cores": cpu.own_cores, "other_cores": cpu.other_cores})
     base = results[0]["samples_per_s"]
     for row in results:
         row["speedup"] = row["samples_per_s"] / base
@@ -197,15 +260,15 @@ def actor_bound(results: list[dict]) -> str:
             f"by at most {colocate['step_s'] / train_s:.2f}x with this work.")
 
 
-def format_table(results: list[dict]) -> str:
+def format_table(results: list[dict], work: Work = Work()) -> str:
     lines = [("| mode | samples/s | speed-up | s/step | busy actor | idle actor | busy rollout | turns | "
-              "tool calls | tool latency (s) |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+              "tool calls | tool latency (s) | cores: this run | cores: other jobs |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['mode']} | {r['samples_per_s']:.1f} | {r['speedup']:.2f}x | {r['step_s']:.2f} | "
                      f"{r['busy_actor']:.2f} | {1 - r['busy_actor']:.2f} | {r['busy_rollout']:.2f} | "
                      f"{r['agent_turns_mean']:.1f} | {r['agent_tool_calls_mean']:.1f} | "
-                     f"{r['agent_tool_latency_mean_s']:.2f} |")
+                     f"{r['agent_tool_latency_mean_s']:.2f} | {r['own_cores']:.2f} | {r['other_cores']:.2f} |")
     lengths = ", ".join(f"{r['mode']}: {r['response_length']:.0f}" for r in results)
-    return ("\n".join(lines) + f"\n\nMean trajectory length (policy and tool tokens) per mode: {lengths}.\n\n"
-            + actor_bound(results))
+    return (work.describe() + "\n\n" + "\n".join(lines)
+            + f"\n\nMean trajectory length (policy and tool tokens) per mode: {lengths}.\n\n" + actor_bound(results))

@@ -3,9 +3,12 @@ latency, the busy probe's arithmetic, and a colocate-vs-async run that fills the
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from rlx.bench.agentic import BusyProbe, ToolTurns, Work, format_table, run_agentic_benchmark
+from rlx.bench.agentic import BusyProbe, CpuShare, ToolTurns, Work, format_table, run_agentic_benchmark
 from rlx.data.rows import PromptRow
 
 
@@ -32,6 +35,13 @@ def test_the_probe_measures_busy_seconds_over_the_replicas_own_elapsed_time(tmp_
         probe.busy("rollout", 1, 4)
 
 
+def test_cpu_share_counts_a_process_that_started_and_ended_during_the_mode():
+    burn = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end:\n    pass"
+    with CpuShare(every_s=0.1) as cpu:
+        subprocess.run([sys.executable, "-c", burn], check=True)
+    assert cpu.own_cores > 0.05 and cpu.other_cores >= 0.0
+
+
 def test_colocate_and_async_on_the_same_multi_turn_work_fill_the_table(tmp_path):
     work = Work(prompts_per_step=2, n=4, tool_calls=2, tool_latency_s=1.0, concurrency=8, hidden=32, layers=1,
                 actor_threads=1)
@@ -42,6 +52,8 @@ def test_colocate_and_async_on_the_same_multi_turn_work_fill_the_table(tmp_path)
         assert 0.0 <= row["busy_actor"] <= 1.0 and 0.0 <= row["busy_rollout"] <= 1.0
         assert row["agent_turns_mean"] == 3.0 and row["agent_tool_calls_mean"] == 2.0
         assert row["agent_tool_latency_mean_s"] >= 1.0 and row["agent_cut_fraction"] == 0.0
+        assert row["own_cores"] > 0.0 and row["other_cores"] >= 0.0
     assert results[0]["speedup"] == 1.0
-    table = format_table(results)
+    table = format_table(results, work)
     assert "| colocate | " in table and "| async, max_staleness=2 | " in table and "Bound:" in table
+    assert "3 policy turns and 2 calculator calls of 1 s wall time" in table
