@@ -7,7 +7,9 @@ new request with the whole context (token ids, never text). Tools of different t
 concurrently, on their trajectories' threads.
 
 Prefix reuse: the `hf` engine prefills the whole context again for each turn (it keeps no cache
-between requests); vLLM reuses the prefix's KV cache through its prefix caching.
+between requests). vLLM reuses the prefix's KV cache with `rollout.engine_options:
+{enable_prefix_caching: true}`; rlx leaves it off by default, because a prefix cached before a
+weight load holds KV computed with the older weights, and vLLM clears its cache only when idle.
 """
 
 from __future__ import annotations

@@ -166,8 +166,8 @@ def test_weights_load_between_steps_and_in_flight_requests_continue(engine, tiny
 
 
 def test_multi_turn_trajectories_on_vllm_keep_the_engines_tokens_and_logprobs(engine, tiny_vllm_path):
-    """Each turn is a new request with the whole context (vLLM's prefix cache serves the prefix);
-    the trainer scores every policy token of the trajectory with the engine's log-prob."""
+    """Each turn is a new request with the whole context; the trainer scores every policy token of
+    the trajectory with the engine's log-prob."""
     from rlx.agents.environments import user_environment
     from rlx.agents.loop import AgentRollout, TurnLimits
     from rlx.data.rows import PromptRow
