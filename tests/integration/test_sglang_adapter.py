@@ -94,7 +94,8 @@ def test_requests_in_flight_survive_a_weight_update(server, sglang, hf):
     worker = threading.Thread(target=lambda: results.extend(
         sglang.generate(batch, SamplingParams(temperature=0.0, max_new_tokens=200))))
     worker.start()
-    while server.loop.decode_steps < steps + 5:
+    # all three decode together (a request whose HTTP call came late would start under version 3)
+    while server.loop.decode_steps < steps + 5 or server.loop.peak_batch < len(batch):
         assert worker.is_alive(), "the generation finished before the update"
         time.sleep(0.001)
     sglang.load_weights(perturbed(hf, seed=2), version=3)
