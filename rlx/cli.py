@@ -162,6 +162,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         table = format_table(run_algorithms_benchmark(Path(args.work_dir), steps=args.steps, only=args.only))
         command = f"rlx bench algorithms --steps {args.steps} --work-dir {args.work_dir}"
+    elif args.what == "agentic":
+        from rlx.bench.agentic import format_table, run_agentic_benchmark
+
+        table = format_table(run_agentic_benchmark(Path(args.work_dir), steps=args.steps))
+        command = f"rlx bench agentic --steps {args.steps} --work-dir {args.work_dir}"
     elif args.what == "staleness":
         from rlx.bench.staleness import format_table, parse_cells, run_staleness_benchmark
         from rlx.orchestration.async_run import run_async
@@ -228,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=_convert_run)
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side; results go to docs/benchmarks.md")
-    bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms", "staleness"])
+    bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms", "staleness", "agentic"])
     bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline) or per run "
                        "(algorithms, staleness: the same sample budget for every run)")
     bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus, weights)")
