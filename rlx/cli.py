@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side; results go to docs/benchmarks.md")
     bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms", "staleness", "agentic"])
-    bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline) or per run "
+    bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline, agentic) or per run "
                        "(algorithms, staleness: the same sample budget for every run)")
     bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus, weights)")
     bench.add_argument("--work-dir", default="runs/bench", help="scratch folder for runs and models")
