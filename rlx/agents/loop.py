@@ -14,6 +14,7 @@ weight load holds KV computed with the older weights, and vLLM clears its cache 
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import logging
@@ -40,7 +41,7 @@ class TurnLimits:
     max_trajectory_tokens: int  # response tokens (policy and observation) per trajectory
 
 
-class ConcurrentRollout(Rollout):
+class ConcurrentRollout(Rollout, abc.ABC):
     """Runs every response (a trajectory, an episode) on a thread of its own against one EngineLoop,
     and yields each as a Sample when it ends (`generate` has Rollout's contract)."""
 
@@ -48,9 +49,9 @@ class ConcurrentRollout(Rollout):
         super().__init__(engine, tokenizer)
         self.concurrency = concurrency
 
+    @abc.abstractmethod
     def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
         """One whole response to `row`."""
-        raise NotImplementedError
 
     @contextlib.contextmanager
     def session(self, loop: EngineLoop, params: SamplingParams) -> Iterator[None]:

@@ -302,7 +302,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     child.kill()
             time.sleep(0.01)
-    except psutil.NoSuchProcess:
+    except psutil.NoSuchProcess:  # the launcher ended on its own: its tree is gone with it
         pass
     try:
         proc.wait(timeout=2.0)
@@ -427,7 +427,7 @@ def _launcher() -> None:  # pragma: no cover - runs as `python -I -S -c`, see _L
         for entry in os.listdir("/proc"):
             try:
                 count += entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid
-            except OSError:
+            except OSError:  # the process ended between listdir and stat: not counted
                 pass
         return count
 
