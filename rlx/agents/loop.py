@@ -103,14 +103,6 @@ class AgentRollout(ConcurrentRollout):
         probe.close()
         self.template_check = check_template(self.chat)  # reported at start-up; see rlx.agents.chat
 
-    def encode(self, row: PromptRow) -> list[int]:
-        """The first prompt of this row's trajectory, as the engine sees it."""
-        env = self.environments()
-        try:
-            return self.chat.prompt_ids(env.reset(row))
-        finally:
-            env.close()
-
     def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
         env = self.environments()
         try:
