@@ -58,11 +58,41 @@ def tiny_model(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 
     return LlamaForCausalLM(config).float()
 
 
-def build_tiny(path: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> Path:
-    """Write a tiny model and its character tokenizer as a Hugging Face folder."""
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def tiny_moe_model(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
+                   experts: int = 8, top_k: int = 2, seed: int = 0):
+    """A tiny mixture-of-experts causal LM of one of `MOE_FAMILIES` (random init, fp32)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+    shared = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
+                  num_experts_per_tok=top_k, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+    if family == "mixtral":
+        config = MixtralConfig(num_local_experts=experts, **shared)
+    elif family == "qwen3_moe":
+        config = Qwen3MoeConfig(num_experts=experts, moe_intermediate_size=hidden, head_dim=hidden // heads,
+                                norm_topk_prob=True, **shared)
+    elif family == "olmoe":
+        config = OlmoeConfig(num_experts=experts, norm_topk_prob=False, **shared)
+    else:
+        raise ValueError(f"family={family!r}: tiny MoE models come in {', '.join(MOE_FAMILIES)}")
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def build_tiny(path: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0,
+               moe_family: str | None = None) -> Path:
+    """Write a tiny model (a MoE one of `moe_family`, else Llama) and its character tokenizer as a
+    Hugging Face folder."""
     path = Path(path)
     tokenizer = char_tokenizer()
-    model = tiny_model(len(tokenizer), hidden=hidden, layers=layers, heads=heads, seed=seed)
+    if moe_family is None:
+        model = tiny_model(len(tokenizer), hidden=hidden, layers=layers, heads=heads, seed=seed)
+    else:
+        model = tiny_moe_model(moe_family, len(tokenizer), hidden=hidden, layers=layers, heads=heads, seed=seed)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

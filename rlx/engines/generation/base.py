@@ -38,6 +38,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (stop token or string) or "length"
     weight_version: int
     extra: dict = field(default_factory=dict)
+    routed_experts: torch.Tensor | None = None  # MoE: int16 [len(prompt)+len(response)-1, layers, top_k] (rlx.models.moe)
 
 
 class GenerationEngine(Protocol):
