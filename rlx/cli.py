@@ -27,13 +27,15 @@ def _train(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     """Print the validated config (stdout, YAML), then on stderr what `auto` settings resolved to and
     the warnings about allowed but doubtful choices."""
-    from rlx.config import auto_correction, config_warnings
+    from rlx.config import auto_correction, config_warnings, resolve_routing_replay
 
     config = load_config(args.config, args.overrides)
     print(config.to_yaml(), end="")
     correction, why = auto_correction(config)
     print(f"# algorithm.behavior_correction={config.algorithm.behavior_correction} -> {correction} ({why})",
           file=sys.stderr)
+    replay, why = resolve_routing_replay(config)
+    print(f"# algorithm.routing_replay={config.algorithm.routing_replay} -> {replay} ({why})", file=sys.stderr)
     for warning in config_warnings(config):
         print(f"# warning: {warning}", file=sys.stderr)
     print("# config OK", file=sys.stderr)

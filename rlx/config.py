@@ -24,6 +24,7 @@ from pydantic import (
 
 from rlx.errors import ConfigError
 from rlx.generation_engines import GENERATION_ENGINES
+from rlx.model_kinds import ROUTE_REPORTING_ENGINES, is_moe_model
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -289,6 +290,14 @@ class AlgorithmConfig(Section):
         "rollout.dtype differs from train.param_dtype, else none. Resolved once, when the RunConfig is "
         "validated; `rlx doctor` prints the result")
     tis_cap: float = Field(2.0, ge=1.0, description="truncation of the importance weight")
+    routing_replay: Literal["auto", "off", "r3"] = Field(
+        "auto", description="mixture-of-experts models: r3 (Rollout Routing Replay) routes every token, in every "
+        "trainer forward (Actor, ActorFwd, Reference), to the experts the rollout engine chose; off: the trainer "
+        "routes itself. auto: r3 for a MoE model whose engine reports routes (hf, sglang), else off. r3 on a "
+        "dense model is an error")
+    routing_mismatch_every: int = Field(
+        10, ge=0, description="R3: every N steps one extra forward without replay measures the rollout/trainer "
+        "log-prob mismatch that replay removes (r3/logprob_abs_diff_without_replay); 0: never")
     _resolved_correction: Correction | None = PrivateAttr(None)
 
     @field_validator("loss", mode="before")
@@ -466,6 +475,11 @@ class RunConfig(Section):
         return self.algorithm.advantage == "gae"
 
     @property
+    def routing_replay(self) -> Literal["off", "r3"]:
+        """`algorithm.routing_replay` in effect (`auto` resolved against the model and the engine)."""
+        return resolve_routing_replay(self)[0]
+
+    @property
     def uses_teacher(self) -> bool:
         return self.teacher.path is not None
 
@@ -481,7 +495,8 @@ class RunConfig(Section):
 
     def to_yaml(self) -> str:
         """The config as given, plus a comment with what `auto` resolved to (it depends on other sections)."""
-        resolved = f"# algorithm.behavior_correction resolved to {self.algorithm.resolved_correction}\n"
+        resolved = (f"# algorithm.behavior_correction resolved to {self.algorithm.resolved_correction}\n"
+                    f"# algorithm.routing_replay resolved to {self.routing_replay}\n")
         return resolved + yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
@@ -513,6 +528,13 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if a.loss.type == "gspo" and a.aggregation != "seq-mean-token-mean":
         problems.append(f"algorithm.loss.type=gspo averages its sequence losses over sequences; with "
                         f"aggregation={a.aggregation} its gradient is GRPO's: set algorithm.aggregation=seq-mean-token-mean")
+    if a.routing_replay == "r3" and is_moe_model(c.model.path) is False:
+        problems.append(f"algorithm.routing_replay=r3 replays mixture-of-experts routes, but model.path="
+                        f"{c.model.path!r} is a dense model: set algorithm.routing_replay=off (or auto)")
+    if a.routing_replay == "r3" and c.rollout.engine not in ROUTE_REPORTING_ENGINES:
+        problems.append(f"algorithm.routing_replay=r3 needs the experts the engine routed to; rollout.engine="
+                        f"{c.rollout.engine} does not report them: use rollout.engine={' or '.join(sorted(ROUTE_REPORTING_ENGINES))}, "
+                        "or set algorithm.routing_replay=off")
     if c.rollout.agent is not None and c.rollout.agent_app is not None:
         problems.append("rollout.agent (an environment rlx drives) and rollout.agent_app (a program that drives "
                         "the policy) are two ways to roll out: set one of them")
@@ -562,6 +584,19 @@ def auto_correction(c: RunConfig) -> tuple[Correction, str]:
     if r.dtype != t.param_dtype:
         return "tis", f"rollout.dtype={r.dtype} differs from the trainer's train.param_dtype={t.param_dtype}"
     return "none", "on-policy samples from the trainer's own engine and dtype"
+
+
+def resolve_routing_replay(c: RunConfig) -> tuple[Literal["off", "r3"], str]:
+    """Whether the trainer replays the rollout's expert routes (R3), and why (for `rlx doctor`)."""
+    setting, moe = c.algorithm.routing_replay, is_moe_model(c.model.path)
+    if setting != "auto":
+        return setting, "set explicitly"
+    if not moe:
+        return "off", f"model.path={c.model.path!r} is not a mixture-of-experts model"
+    if c.rollout.engine not in ROUTE_REPORTING_ENGINES:
+        return "off", f"rollout.engine={c.rollout.engine} does not report the experts it routed to"
+    return "r3", f"model.path={c.model.path!r} is a mixture-of-experts model and rollout.engine={c.rollout.engine} " \
+                 "reports its routes"
 
 
 def config_warnings(c: RunConfig) -> list[str]:

@@ -28,7 +28,7 @@ def _build_hf(spec: EngineSpec) -> tuple[GenerationEngine, Any]:
     model, tokenizer = load_pretrained(spec.path, spec.dtype, spec.device)
     engine = HFGenerationEngine(model, pad_token_id=tokenizer.pad_token_id,
                                 eos_token_ids=eos_token_ids(model, tokenizer), tokenizer=tokenizer,
-                                max_batch_size=spec.max_batch_size)
+                                max_batch_size=spec.max_batch_size, record_routes=spec.record_routes)
     return engine, tokenizer
 
 

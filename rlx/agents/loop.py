@@ -119,7 +119,7 @@ class AgentRollout(ConcurrentRollout):
             turn_params = params if budget >= params.max_new_tokens else dataclasses.replace(params, max_new_tokens=budget)
             result = loop.submit(trajectory.context_ids, turn_params).result()
             trajectory.add_policy(result.response_ids, result.logprobs, result.weight_version,
-                                  result.extra.get("last_weight_version"))
+                                  result.extra.get("last_weight_version"), result.routed_experts)
             text = self.chat.turn_text(result.response_ids)
             trajectory.final_text = text
             if result.finish_reason == "length":  # a cut turn is no action
@@ -162,7 +162,8 @@ def trajectory_sample(uid: int, group_id: int, row: PromptRow, trajectory: Traje
         rollout_logprobs=trajectory.logprobs, loss_mask=trajectory.loss_mask,
         behavior_version=trajectory.behavior_version or 0, last_behavior_version=trajectory.last_behavior_version,
         finish_reason=trajectory.finish_reason, response_text=trajectory.final_text, prompt_text=row.question,
-        label=row.label, metadata=metadata, agent_stats=trajectory_stats(trajectory))
+        label=row.label, metadata=metadata, agent_stats=trajectory_stats(trajectory),
+        routed_experts=trajectory.routed_experts)
 
 
 def trajectory_stats(trajectory: Trajectory) -> dict:

@@ -9,6 +9,9 @@ the trainer scores exactly the tokens the engine sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 CUT_REASONS = ("length", "max_turns", "max_tokens")  # finish reasons of a trajectory a limit ended
 
@@ -40,9 +43,14 @@ class Trajectory:
     env_reward: float | None = None  # a reward the environment gave at the end, if it gives one
     dropped_calls: int = 0  # agent apps: calls of the episode that extend no trajectory kept for training
     env_error: str | None = None  # why the episode failed (an agent app that raised, hung, returned garbage)
+    routed_experts: Any = None  # MoE: experts per position, each from the first forward that computed it
 
-    def add_policy(self, ids: list[int], logprobs: list[float], version: int, last_version: int | None = None) -> None:
-        """Append one policy turn exactly as generated."""
+
+    def add_policy(self, ids: list[int], logprobs: list[float], version: int, last_version: int | None = None,
+                   routes: torch.Tensor | None = None) -> None:
+        """Append one policy turn exactly as generated. `routes` (MoE) cover the turn's whole request:
+        positions recorded by earlier turns keep their routes (those forwards made the log-probs),
+        the rest (the previous turn's last token, the observation, this turn) are appended."""
         if len(ids) != len(logprobs):
             raise ValueError(f"a policy turn has {len(ids)} tokens but {len(logprobs)} log-probs")
         self.response_ids += ids
@@ -52,6 +60,9 @@ class Trajectory:
         if self.behavior_version is None:
             self.behavior_version = version
         self.last_behavior_version = version if last_version is None else last_version
+        if routes is not None:
+            known = 0 if self.routed_experts is None else self.routed_experts.shape[0]
+            self.routed_experts = routes if known == 0 else torch.cat([self.routed_experts, routes[known:]])
 
     def add_observation(self, ids: list[int]) -> None:
         """Append tokens the policy did not generate: they are context, never trained on."""

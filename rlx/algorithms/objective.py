@@ -71,6 +71,7 @@ def policy_objective(
         metrics["behavior_weight_mean"] = token_share(weight)
     if "rollout_logprobs" in fields:
         metrics["behavior_kl"] = token_share(behavior_kl(logprobs, fields["rollout_logprobs"]))
+        metrics["rollout_logprob_abs_diff"] = token_share((logprobs.detach() - fields["rollout_logprobs"]).abs())
     return loss, metrics
 
 
@@ -81,7 +82,8 @@ def behavior_kl(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor) -> torc
     return torch.expm1(log_ratio) - log_ratio
 
 
-TOKEN_SHARE_METRICS = ("clip_fraction", "ratio_mean", "behavior_weight_mean", "behavior_kl")
+TOKEN_SHARE_METRICS = ("clip_fraction", "ratio_mean", "behavior_weight_mean", "behavior_kl",
+                       "rollout_logprob_abs_diff", "rollout_logprob_abs_diff_unreplayed")
 
 
 def loss_scale(aggregation: str, tokens: float, sequences: float) -> float:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from rlx.models import smollm2, tiny
+from rlx.models import smollm2, tiny, upcycle
 
 CACHE_DIR = Path.home() / ".cache" / "rlx" / "models"
 
@@ -28,7 +28,16 @@ BUILTIN_MODELS = {
             lambda: smollm2.gguf_path() is not None,
             smollm2.convert,
         ),
+        BuiltinModel(
+            "smollm2-moe-4x135m",
+            "Mixtral 4 experts top-2, sparse-upcycled from smollm2-135m-instruct (each expert its MLP "
+            "x (1 + 1% noise), small random router, seed 0)",
+            lambda: smollm2.gguf_path() is not None,
+            upcycle.build,
+        ),
         BuiltinModel("tiny-char", "2-layer Llama, 64 wide, character tokenizer (random init)", lambda: True, tiny.build_tiny),
+        BuiltinModel("tiny-moe", "2-layer Qwen3-MoE, 64 wide, 8 experts top-2, character tokenizer (random init)",
+                     lambda: True, lambda path: tiny.build_tiny(path, moe_family="qwen3_moe")),
     )
 }
 

@@ -21,10 +21,8 @@ record: the trainer routes those tokens itself. int16 holds any expert count in 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,21 +30,6 @@ from torch import nn
 ROUTE_DTYPE = torch.int16
 NOT_RECORDED = -1
 _ATTRIBUTE = "_rlx_routing"
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-
-
-def is_moe_config(config: dict) -> bool:
-    """True for a Hugging Face model config (its JSON as a dict) of a mixture-of-experts model,
-    including multimodal ones that keep the language model's config under `text_config`."""
-    for section in (config, config.get("text_config") or {}, config.get("thinker_config", {}).get("text_config") or {}):
-        if any((section.get(key) or 0) > 0 for key in _EXPERT_KEYS) and section.get("num_experts_per_tok"):
-            return True
-    return False
-
-
-def is_moe_folder(path: str | Path) -> bool:
-    """`is_moe_config` of a Hugging Face folder's config.json (no weights are read)."""
-    return is_moe_config(json.loads((Path(path) / "config.json").read_text()))
 
 
 def find_routers(model: nn.Module) -> list[nn.Module]:
@@ -142,6 +125,11 @@ class MoeRouting:
         if renormalise:
             gathered = gathered / gathered.sum(-1, keepdim=True)
         return gathered.to(weights.dtype), chosen
+
+
+def routing_of(model: nn.Module) -> MoeRouting | None:
+    """The routing installed on `model` by `MoeRouting.of`, if any."""
+    return getattr(model, _ATTRIBUTE, None)
 
 
 def stack_captured(captured: list[torch.Tensor], batch: int, positions: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from rlx.engines.training import TrainingEngine
 from rlx.engines.training.forward import token_values
 from rlx.errors import ConfigError
 from rlx.models import load_pretrained, load_tokenizer, load_value_model, resolve_model_path
+from rlx.models.moe import MoeRouting
 from rlx.orchestration.plan import RolePlan, build_plan
 from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.staleness import StalenessGate
@@ -67,16 +68,18 @@ def prompt_encoder(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Cal
                                      data.max_prompt_tokens)
 
 
-def generation_engine(config: RunConfig, settings: EngineSettings, path: Path, max_batch_size: int):
+def generation_engine(config: RunConfig, settings: EngineSettings, path: Path, max_batch_size: int,
+                      record_routes: bool = False):
     """`(engine, tokenizer)` run as `settings` say (`rollout` for the policy, `reward.judge` for GenRM)."""
     spec = EngineSpec(path, settings.dtype, config.resources.device, max_batch_size, config.train.seed,
-                      dict(settings.engine_options))
+                      dict(settings.engine_options), record_routes)
     return build_generation_engine(settings.engine, spec)
 
 
 def build_rollout(config: RunConfig, path: Path) -> Rollout:
     """One response per prompt, or whole multi-turn trajectories when `rollout.agent` is set."""
-    engine, tokenizer = generation_engine(config, config.rollout, path, config.rollout.max_batch_size)
+    engine, tokenizer = generation_engine(config, config.rollout, path, config.rollout.max_batch_size,
+                                          record_routes=config.routing_replay == "r3")
     r = config.rollout
     if r.agent is not None:
         from rlx.agents.setup import build_agent_rollout
@@ -116,8 +119,17 @@ def build_teacher(config: RunConfig, student_vocab: int) -> Reference:
     return Reference(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size)
 
 
+def load_policy(config: RunConfig, path: Path, dtype: str):
+    """`(model, tokenizer)` of the policy for a trainer-side role; with R3 its routers replay the
+    routes that batches carry."""
+    model, tokenizer = load_pretrained(path, dtype, config.resources.device)
+    if config.routing_replay == "r3":
+        MoeRouting.of(model)
+    return model, tokenizer
+
+
 def build_actor(config: RunConfig, path: Path) -> Actor:
-    model, tokenizer = load_pretrained(path, "float32", config.resources.device)
+    model, tokenizer = load_policy(config, path, "float32")
     # parameters in publish-ready buckets: each DCS publish is then one copy per bucket, no packing
     flatten_parameters(model, int(config.weights.bucket_mb * (1 << 20)))
     engine = TrainingEngine(model, tokenizer, config.train, config.rollout.temperature)
@@ -127,7 +139,7 @@ def build_actor(config: RunConfig, path: Path) -> Actor:
 def build_reference(config: RunConfig, path: Path) -> Reference | None:
     if config.algorithm.kl_coef <= 0:
         return None
-    model, tokenizer = load_pretrained(path, config.train.param_dtype, config.resources.device)
+    model, tokenizer = load_policy(config, path, config.train.param_dtype)
     return Reference(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size,
                      config.algorithm.kl_reference_refresh_every)
 
@@ -135,7 +147,7 @@ def build_reference(config: RunConfig, path: Path) -> Reference | None:
 def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd:
     """float32 weights under the trainer's autocast: at the same weight version its log-probs are
     the Actor's own, so the proximal ratio is exactly 1 there, not bf16 rounding noise."""
-    model, tokenizer = load_pretrained(path, "float32", config.resources.device)
+    model, tokenizer = load_policy(config, path, "float32")
     return ActorFwd(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size,
                     bf16=config.train.bf16_autocast)
 

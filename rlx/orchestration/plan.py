@@ -35,7 +35,7 @@ def always(_: RunConfig) -> bool:
 @dataclass(frozen=True)
 class FieldSpec:
     """One bus field. `shape` names its dimensions (`T`: one entry per response token, `P`: per
-    prompt token); `scope` is `row` (one value per sample) or `group` (one per prompt group, shared
+    prompt token, `S`: per position the engine ran, `L`: per MoE layer, `K`: per routed expert); `scope` is `row` (one value per sample) or `group` (one per prompt group, shared
     by its samples); `needed_when`: the readers cannot work without it under this condition;
     `primary`: the field that says its writing task is done with a row (one per consuming task)."""
 
@@ -65,6 +65,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("rollout_logprobs", ROLLOUT, ("advantages", "train"), "float32", ("T",)),
     FieldSpec("loss_mask", ROLLOUT, ("critic_train", "train"), "float32", ("T",)),
     FieldSpec("agent_stats", ROLLOUT, ("train",), "json"),
+    FieldSpec("routed_experts", ROLLOUT, ("reference", "actor_fwd", "train"), "int16", ("S", "L", "K")),
     FieldSpec("behavior_version", ROLLOUT, ("train",), "int64"),
     FieldSpec("last_behavior_version", ROLLOUT, ("train",), "int64"),
     FieldSpec("finish_reason", ROLLOUT, ("train",), "str"),

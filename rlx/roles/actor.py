@@ -9,6 +9,12 @@ With `train.ppo_epochs` > 1 or `train.mini_batches` > 1 a step takes several opt
 carry them, else one no-grad forward over the step in uid order, before the first update), then
 runs the epochs, one update per mini-batch. Nothing depends on the order the samples arrived in.
 The weight version still advances once per step; `optimizer_updates` counts the updates.
+
+Mixture-of-experts policies with R3 train on batches that carry the rollout's routes (the model
+replays them). Each step reports `route_mismatch_fraction` (the share of (position, layer) routes
+where the trainer's router would have chosen other experts) and `rollout_logprob_abs_diff`; every
+`algorithm.routing_mismatch_every` steps one extra forward without replay adds
+`rollout_logprob_abs_diff_unreplayed`, the mismatch replay removes.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from rlx.config import AlgorithmConfig
 from rlx.data.sample import Sample
 from rlx.engines.training.batch import TokenBatch, mini_batch_rows
 from rlx.engines.training.engine import TrainingEngine
+from rlx.models.moe import routing_of
 from rlx.roles.batching import samples_to_batch
 from rlx.roles.trainable import Trainable
 
@@ -56,6 +63,7 @@ class Actor(Trainable):
             self._collected.extend(samples)
             return
         batch = self._batch(samples)
+        self._measure_unreplayed(batch)
         self._add(self.engine.accumulate(batch, self._loss_fn))
         self._tokens += float(batch.response_mask.sum())
         self._sequences += float(batch.size)
@@ -73,6 +81,11 @@ class Actor(Trainable):
         metrics = finalize_metrics(self._sums, self.config.aggregation, self._tokens * passes,
                                    self._sequences * passes)
         metrics.update(update, train_tokens=self._tokens, train_sequences=self._sequences)
+        routing = routing_of(self.engine.model)
+        if routing is not None:
+            differing, compared = routing.take_mismatch()
+            if compared:
+                metrics["route_mismatch_fraction"] = differing / compared
         return metrics
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
@@ -104,6 +117,17 @@ class Actor(Trainable):
         return policy_objective(logprobs, entropy, mb.response_mask.to(logprobs.device), fields, self.config,
                                 1.0, 1.0)
 
+    def _measure_unreplayed(self, batch: TokenBatch) -> None:
+        """On the steps `routing_mismatch_every` picks, the rollout/trainer log-prob gap of `batch`
+        without routing replay: one extra no-grad forward, done before the replayed one."""
+        every = self.config.routing_mismatch_every
+        if (batch.routes is None or not every or self.engine.step % every
+                or "rollout_logprobs" not in batch.per_token):
+            return
+        logprobs = self.engine.outputs(dataclasses.replace(batch, routes=None))
+        gap = (logprobs - batch.per_token["rollout_logprobs"]).abs() * batch.response_mask
+        self._add({"rollout_logprob_abs_diff_unreplayed": float(gap.sum())})
+
     def _add(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
             self._sums[key] = self._sums.get(key, 0.0) + value
@@ -128,6 +152,7 @@ class Actor(Trainable):
         cfg = self.engine.config
         samples = self._with_old_logprobs(sorted(self._collected, key=lambda s: s.uid))
         batch = self._batch(samples)
+        self._measure_unreplayed(batch)
         self._tokens, self._sequences = float(batch.response_mask.sum()), float(batch.size)
         minis = [batch.select(torch.tensor(rows))
                  for rows in mini_batch_rows([s.uid for s in samples], cfg.mini_batches, cfg.seed) if rows]

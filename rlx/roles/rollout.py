@@ -64,6 +64,7 @@ class Rollout:
                 prompt_text=row.question,
                 label=row.label,
                 metadata=row.metadata,
+                routed_experts=result.routed_experts,
             )
 
     @property

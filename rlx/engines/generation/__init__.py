@@ -28,6 +28,7 @@ class EngineSpec:
     max_batch_size: int = 64
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)  # backend-specific (`rollout.engine_options`)
+    record_routes: bool = False  # MoE: return each result's `routed_experts` (R3)
 
 
 def build_generation_engine(kind: str, spec: EngineSpec) -> tuple[GenerationEngine, Any]:

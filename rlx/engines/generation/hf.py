@@ -6,10 +6,15 @@ cache at once and the batch shrinks through the tail. When requests wait, finish
 (ignored) until 1/8 of the batch is free, then leave together and the free slots are refilled with
 waiting requests, prefilled on their own and merged into the running cache: removing and merging
 rows copies the whole cache, so doing it per finished row would cost more than a few dead rows.
+
+With `record_routes` (mixture-of-experts models) every forward's router choices are kept per row:
+a result's `routed_experts` covers its prompt (prefill) and each generated token fed back, in the
+layout of `rlx.models.moe`, whatever the batch did around the row (merges, compaction, refills).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -20,6 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
 from rlx.engines.generation.kv_cache import GrowingCache
+from rlx.models.moe import MoeRouting, stack_captured
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -70,6 +76,7 @@ class _Row:
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     done: bool = False
+    routes: list[torch.Tensor] = field(default_factory=list)  # [n, L, K] chunks, when routes are recorded
 
 
 @dataclass
@@ -128,8 +135,10 @@ class HFGenerationEngine(StreamingEngine):
         eos_token_ids: tuple[int, ...],
         tokenizer: PreTrainedTokenizerBase | None = None,
         max_batch_size: int = 64,
+        record_routes: bool = False,
     ) -> None:
         self.model = model.eval()
+        self._routing = MoeRouting.of(model) if record_routes else None
         self.pad_token_id = pad_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer = tokenizer
@@ -232,12 +241,26 @@ class HFGenerationEngine(StreamingEngine):
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = GrowingCache()
-        logits = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions,
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
-        ).logits[:, -1]
+        with self._recording() as captured:
+            logits = self.model(
+                input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1]
         rows = [_Row(request, self.weight_version) for request in requests]
+        if captured:
+            routes = stack_captured(captured, len(rows), width)
+            for row, request, row_routes in zip(rows, requests, routes):
+                row.routes.append(row_routes[width - len(request.prompt_ids):])
         return _Running(cache, attention, positions[:, -1:] + 1, logits, rows)
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[list[torch.Tensor]]:
+        """Capture the routers' choices of the forward inside, when routes are recorded."""
+        if self._routing is None:
+            yield []
+            return
+        with self._routing.capture() as captured:
+            yield captured
 
     @torch.inference_mode()
     def _decode_step(
@@ -267,11 +290,16 @@ class HFGenerationEngine(StreamingEngine):
             running.select(keep)
             tokens = tokens[torch.tensor(keep, dtype=torch.long, device=tokens.device)]
         running.attention = torch.cat([running.attention, running.attention.new_ones((len(running.rows), 1))], dim=1)
-        running.logits = self.model(
-            input_ids=tokens[:, None], attention_mask=running.attention, position_ids=running.next_position,
-            past_key_values=running.cache, use_cache=True,
-        ).logits[:, -1]
+        with self._recording() as captured:
+            running.logits = self.model(
+                input_ids=tokens[:, None], attention_mask=running.attention, position_ids=running.next_position,
+                past_key_values=running.cache, use_cache=True,
+            ).logits[:, -1]
         running.next_position = running.next_position + 1
+        if captured:
+            for row, row_routes in zip(running.rows, stack_captured(captured, len(running.rows), 1)):
+                if not row.done:
+                    row.routes.append(row_routes)
 
     def _result(self, row: _Row, reason: str) -> GenerationResult:
         return GenerationResult(
@@ -282,4 +310,5 @@ class HFGenerationEngine(StreamingEngine):
             finish_reason=reason,
             weight_version=row.version,
             extra={"last_weight_version": self.weight_version},
+            routed_experts=torch.cat(row.routes) if row.routes else None,
         )

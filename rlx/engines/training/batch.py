@@ -3,6 +3,9 @@
 Prompts are left-padded to width P and responses right-padded to width R. The logits that predict
 the response tokens are then the columns P-1 .. P+R-2 for every row, so the model only projects the
 last R+1 hidden states onto the vocabulary (`logits_to_keep`), never the prompt's.
+
+A mixture-of-experts batch may carry `routes` `[B, P+R, L, K]`: the experts the rollout engine
+chose for each input column (`rlx.models.moe`), which the forward passes replay (R3).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from rlx.models.moe import NOT_RECORDED, ROUTE_DTYPE
 
 
 @dataclass
@@ -20,6 +25,7 @@ class TokenBatch:
     response_mask: torch.Tensor  # [B, R] float: 1 where the token is trained on
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, R] fields (advantages, old logprobs...)
     per_sequence: dict[str, torch.Tensor] = field(default_factory=dict)  # [B] fields
+    routes: torch.Tensor | None = None  # [B, P+R, L, K] recorded experts per input column (MoE, R3)
 
     @property
     def size(self) -> int:
@@ -48,6 +54,7 @@ class TokenBatch:
             response_mask=self.response_mask[rows][:, :used_response],
             per_token={k: v[rows][:, :used_response] for k, v in self.per_token.items()},
             per_sequence={k: v[rows] for k, v in self.per_sequence.items()},
+            routes=None if self.routes is None else self.routes[rows][:, cols],
         )
 
     def micro_batches(self, size: int) -> list[TokenBatch]:
@@ -61,7 +68,10 @@ def collate(
     loss_masks: list[list[float]] | None = None,
     per_token: dict[str, list[list[float]]] | None = None,
     per_sequence: dict[str, list[float]] | None = None,
+    routes: list[torch.Tensor] | None = None,
 ) -> TokenBatch:
+    """`routes`: each sequence's recorded experts `[n, L, K]` from its first token on (n may fall
+    short of the sequence: the rest is routed by the model itself)."""
     batch, prompt_width = len(prompts), max(len(p) for p in prompts)
     width = max(1, max(len(r) for r in responses))
     input_ids = torch.full((batch, prompt_width + width), pad_token_id, dtype=torch.long)
@@ -81,6 +91,7 @@ def collate(
         return out
 
     return TokenBatch(
+        routes=None if routes is None else _collate_routes(routes, prompts, input_ids.shape[1]),
         input_ids=input_ids,
         attention_mask=attention,
         response_ids=input_ids[:, prompt_width:].clone(),
@@ -88,6 +99,18 @@ def collate(
         per_token={k: pad_rows(v) for k, v in (per_token or {}).items()},
         per_sequence={k: torch.tensor(v, dtype=torch.float32) for k, v in (per_sequence or {}).items()},
     )
+
+
+def _collate_routes(routes: list[torch.Tensor], prompts: list[list[int]], width: int) -> torch.Tensor:
+    """Routes placed under their tokens' columns (prompts are left-padded); `NOT_RECORDED` elsewhere."""
+    layers, top_k = routes[0].shape[1:]
+    out = torch.full((len(routes), width, layers, top_k), NOT_RECORDED, dtype=ROUTE_DTYPE)
+    prompt_width = max(len(p) for p in prompts)
+    for row, (recorded, prompt) in enumerate(zip(routes, prompts)):
+        start = prompt_width - len(prompt)
+        count = min(recorded.shape[0], width - start)
+        out[row, start : start + count] = recorded[:count]
+    return out
 
 
 _MASK64 = (1 << 64) - 1

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.engines.training.batch import TokenBatch
+from rlx.models.moe import routing_of
 
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
     from transformers import PreTrainedModel
@@ -19,8 +20,17 @@ def autocast_context(model: PreTrainedModel, bf16: bool):
 
 
 def forward_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, **kwargs) -> torch.Tensor:
-    """The model's output logits for `batch`, on the model's device, without a KV cache."""
+    """The model's output logits for `batch`, on the model's device, without a KV cache.
+
+    A batch with recorded routes is routed by them (R3); they stay in force for the backward
+    pass's activation-checkpoint recomputation, until the next forward of this model."""
     device = next(model.parameters()).device
+    routing = routing_of(model)
+    if routing is not None:
+        routing.replay(batch.routes)
+    elif batch.routes is not None:
+        raise ValueError("the batch carries routed_experts but the model has no routing replay installed: "
+                         "call rlx.models.moe.MoeRouting.of(model) when the model is loaded")
     with autocast_context(model, bf16):
         return model(
             input_ids=batch.input_ids.to(device),
