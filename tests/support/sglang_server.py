@@ -11,6 +11,14 @@ token ids only (no `text` prompts, no streaming), no prompt log-probs, `sampling
 in flight, with their KV cache, until `continue_generation`), the process group is gloo only, and
 `/flush_cache` has nothing to flush (the `hf` engine keeps no cache across requests).
 
+Routed experts (mixture-of-experts models) come as SGLang sends them: started with
+`enable_return_routed_experts` (`--enable-return-routed-experts`), the `hf` engine records its
+routers' choices in every forward it runs (`rlx.models.moe.MoeRouting` capture: the prompt's prefill,
+then each generated token fed back), and a request with `return_routed_experts` gets them in
+`meta_info.routed_experts`: base64 of little-endian int32 `[prompt + output - 1, decoder layers,
+top_k]`, dense layers' rows 0. Without the flag the field is left out, as SGLang does. `tamper`
+edits each `/generate` reply before it is sent: tests inject malformed replies with it.
+
 Run it from the repository root: `python -m tests.support.sglang_server --model tiny-char --port 30000`
 (127.0.0.1 only).
 """
@@ -26,6 +34,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -42,6 +51,7 @@ from rlx.engines.generation.base import GenerationResult, SamplingParams
 from rlx.engines.generation.engine_loop import EngineLoop
 from rlx.engines.generation.sglang import WeightGroup, broadcast_tensors, process_group
 from rlx.models import resolve_model_path
+from rlx.models.moe import find_routers
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "sampling_seed",
                  "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
@@ -111,6 +121,7 @@ class GenerateReqInput(_Body):
     logprob_start_len: int = -1
     stream: bool = False
     rid: str | list[str] | None = None
+    return_routed_experts: bool = False
 
 
 class PauseGenerationReqInput(_Body):
@@ -170,6 +181,21 @@ def _jobs(body: GenerateReqInput, vocab_size: int) -> list[tuple[list[int], Samp
     return [(ids, sampling_params_from_body(s)) for ids, s in zip(prompts, settings)]
 
 
+def router_layers(model: torch.nn.Module) -> tuple[list[int], int]:
+    """(indices of the decoder layers that hold a router, number of decoder layers): SGLang sends a
+    row per decoder layer, the `hf` engine records one per router."""
+    layers = model.get_decoder().layers
+    return [i for i, layer in enumerate(layers) if find_routers(layer)], len(layers)
+
+
+def sglang_routed_experts(routes: torch.Tensor, moe_layers: list[int], num_layers: int) -> str:
+    """rlx routes `[N, MoE layers, K]` as SGLang's `meta_info.routed_experts`: base64 of
+    little-endian int32 `[N, num_layers, K]`, dense layers' rows left 0 as in SGLang's buffers."""
+    full = torch.zeros(routes.shape[0], num_layers, routes.shape[2], dtype=torch.int32)
+    full[:, moe_layers] = routes.to(torch.int32)
+    return base64.b64encode(full.numpy().astype("<i4").tobytes()).decode("ascii")
+
+
 def _reply(result: GenerationResult, params: SamplingParams, stop_ids: set[int], tokenizer: Any,
            return_logprob: bool, rid: str | None) -> dict[str, Any]:
     text = tokenizer.decode(result.response_ids, skip_special_tokens=True)
@@ -189,11 +215,14 @@ def _reply(result: GenerationResult, params: SamplingParams, stop_ids: set[int],
     return {"text": text, "output_ids": result.response_ids, "meta_info": meta}
 
 
-def build_app(loop: EngineLoop, tokenizer: Any, model_path: str, group_timeout_s: float = 300.0) -> FastAPI:
-    """The FastAPI app: SGLang's routes over an EngineLoop."""
+def build_app(loop: EngineLoop, tokenizer: Any, model_path: str, group_timeout_s: float = 300.0,
+              tamper: Callable[[dict[str, Any]], None] = lambda reply: None) -> FastAPI:
+    """The FastAPI app: SGLang's routes over an EngineLoop. `tamper` may edit each `/generate`
+    reply in place before it is sent (fault injection)."""
     app = FastAPI(title="rlx hf engine (SGLang routes)")
     engine = loop.engine
     vocab_size = engine.model.get_input_embeddings().num_embeddings
+    moe_layers, num_layers = router_layers(engine.model)
     groups: dict[str, WeightGroup] = {}
 
     def load(named: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
@@ -244,6 +273,11 @@ def build_app(loop: EngineLoop, tokenizer: Any, model_path: str, group_timeout_s
         stop_ids = set(engine.eos_token_ids)
         replies = [_reply(result, params, stop_ids | set(params.stop_token_ids), tokenizer, body.return_logprob, rid)
                    for result, (_, params), rid in zip(results, jobs, rids)]
+        for reply, result in zip(replies, results):
+            if body.return_routed_experts and result.routed_experts is not None:  # None: the server flag is off
+                reply["meta_info"]["routed_experts"] = sglang_routed_experts(result.routed_experts, moe_layers,
+                                                                             num_layers)
+            tamper(reply)
         return replies if isinstance(body.input_ids[0], list) else replies[0]
 
     @app.post("/pause_generation")
@@ -312,22 +346,31 @@ def build_app(loop: EngineLoop, tokenizer: Any, model_path: str, group_timeout_s
 
 class LoopbackServer:
     """The `hf` engine served on 127.0.0.1: `start()` runs uvicorn on a background thread (tests),
-    `serve()` in the calling thread (the command line). Port 0 picks a free port; `port` tells it."""
+    `serve()` in the calling thread (the command line). Port 0 picks a free port; `port` tells it.
+    `enable_return_routed_experts` is SGLang's server flag of that name; `tamper`, when set, edits
+    each `/generate` reply before it is sent (tests inject faults with it)."""
 
-    def __init__(self, model: str | Path, port: int = 0, max_batch_size: int = 64) -> None:
+    def __init__(self, model: str | Path, port: int = 0, max_batch_size: int = 64,
+                 enable_return_routed_experts: bool = False) -> None:
         path = resolve_model_path(str(model))
-        engine, tokenizer = build_generation_engine("hf", EngineSpec(path, max_batch_size=max_batch_size))
+        spec = EngineSpec(path, max_batch_size=max_batch_size, record_routes=enable_return_routed_experts)
+        engine, tokenizer = build_generation_engine("hf", spec)
         self.loop = EngineLoop(engine)
+        self.tamper: Callable[[dict[str, Any]], None] | None = None
         self._socket = socket.create_server(("127.0.0.1", port))  # bound now, so the port is known at once
         self.port: int = self._socket.getsockname()[1]
-        config = uvicorn.Config(build_app(self.loop, tokenizer, str(path)), log_level="warning",
-                                timeout_graceful_shutdown=5)
+        app = build_app(self.loop, tokenizer, str(path), tamper=self._tamper)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
         self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def _tamper(self, reply: dict[str, Any]) -> None:
+        if self.tamper is not None:
+            self.tamper(reply)
 
     def serve(self) -> None:
         try:
@@ -366,8 +409,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="a Hugging Face folder or a built-in model name")
     parser.add_argument("--port", type=int, default=30000, help="port on 127.0.0.1 (0 picks a free one)")
     parser.add_argument("--max-batch-size", type=int, default=64, help="requests decoding together")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="record MoE routes and return them to requests with return_routed_experts")
     args = parser.parse_args(argv)
-    server = LoopbackServer(args.model, args.port, args.max_batch_size)
+    server = LoopbackServer(args.model, args.port, args.max_batch_size, args.enable_return_routed_experts)
     print(f"serving {args.model} on {server.url}", flush=True)
     server.serve()
 

@@ -8,21 +8,42 @@ process group and broadcasts each tensor); `/pause_generation`, `/flush_cache`,
 `/continue_generation` around every update. Each request is one HTTP call on a small thread pool,
 so results stream back as each finishes while the server batches them.
 
+Routed experts (mixture-of-experts models, for Rollout Routing Replay): with `return_routed_experts`
+on (or `EngineSpec.record_routes`, which R3 sets), every `/generate` body carries
+`"return_routed_experts": true` (`GenerateReqInput` in `sglang/srt/managers/io_struct.py`), and each
+result's `routed_experts` holds the experts the server chose, in `rlx.models.moe`'s layout. SGLang
+sends them only when started with `--enable-return-routed-experts`
+(`ServerArgs.enable_return_routed_experts`, `sglang/srt/server_args.py`); without it the field is
+silently left out, which rlx reports as an error naming that flag. The reply's
+`meta_info.routed_experts` is base64 of a flat little-endian int32 array
+(`encode_routed_experts_for_wire` in `sglang/srt/state_capturer/routed_experts_wire.py`; newer
+servers may send uint16 or uint8 and say so in `meta_info.routed_experts_dtype`) of shape
+`[seqlen - 1, num_hidden_layers, num_experts_per_tok]`: one row per position the model ran
+(`BaseTopkCapturer.get_topk` in `sglang/srt/state_capturer/base.py` gathers `[0, seqlen - 1)`,
+seqlen = prompt + output tokens, so the last sampled token has none), one per decoder layer in order
+with dense layers left at 0 (`RoutedExpertsCapturer` in
+`sglang/srt/state_capturer/routed_experts.py` sizes the buffer by `num_hidden_layers`), and the
+top-k expert ids as the router chose them (`sglang/srt/layers/moe/topk.py` captures after
+`topk_ids_logical_to_physical`: with EPLB's redundant experts they are physical slots, which the
+range check below rejects). rlx keeps the rows of the MoE layers (`RouteLayout`).
+
 `rollout.engine_options`: `url` (required), `timeout_s` (per HTTP call, default 600), `tp_size`
 (the server's tensor-parallel ranks, default 1), `weight_chunk_mb` (largest
 `/update_weights_from_tensor` body, default 512), `max_concurrency` (requests in flight, default
-`max_batch_size`), and the server's `--api-key`, sent as `Authorization: Bearer`: `api_key_env` (the
-name of an environment variable holding it; preferred, as the config is saved in the run directory)
-or `api_key` itself.
+`max_batch_size`), `return_routed_experts` (ask for the routed experts, above; default false), and
+the server's `--api-key`, sent as `Authorization: Bearer`: `api_key_env` (the name of an environment
+variable holding it; preferred, as the config is saved in the run directory) or `api_key` itself.
 
 Replies are checked before anything trains on them: every output token id must be in the model's
-vocabulary and every log-prob a finite number <= 0. A server on a loopback address is called
-directly, whatever HTTP(S)_PROXY says: a proxy would see its traffic and its key.
+vocabulary, every log-prob a finite number <= 0, and routed experts must decode, cover exactly
+len(prompt) + len(response) - 1 positions and name experts the model has. A server on a loopback
+address is called directly, whatever HTTP(S)_PROXY says: a proxy would see its traffic and its key.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import ipaddress
 import json
 import math
@@ -32,25 +53,31 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 import requests
 import torch
 import torch.distributed as dist
 from requests.adapters import HTTPAdapter
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from rlx.engines.generation import EngineSpec
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
 from rlx.errors import ConfigError
 from rlx.models import load_tokenizer
+from rlx.models.moe import NOT_RECORDED, ROUTE_DTYPE
 from rlx.weights.broadcast import serve_store
 
-OPTIONS = {"url", "api_key", "api_key_env", "timeout_s", "tp_size", "weight_chunk_mb", "max_concurrency"}
+OPTIONS = {"url", "api_key", "api_key_env", "timeout_s", "tp_size", "weight_chunk_mb", "max_concurrency",
+           "return_routed_experts"}
 LOGPROB_SLACK = 1e-4  # a log-prob a hair above 0 is rounding; more is not a log-prob
+ROUTE_WIRE_DTYPES = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 Refill = Callable[[int], list[GenerationRequest]]
 WeightGroup = Any  # a c10d ProcessGroupGloo or ProcessGroupNCCL, used without a default group
 
@@ -116,15 +143,85 @@ def sampling_params_body(params: SamplingParams, request_id: int) -> dict[str, A
     return body
 
 
-def generate_body(request: GenerationRequest, params: SamplingParams) -> dict[str, Any]:
+def generate_body(request: GenerationRequest, params: SamplingParams,
+                  return_routed_experts: bool = False) -> dict[str, Any]:
     """One `/generate` request: token ids in, per-token log-probs of the output only
-    (`logprob_start_len=-1`)."""
-    return {
+    (`logprob_start_len=-1`), and the routed experts of every position when asked (the field is
+    left out otherwise, so servers that predate it accept the body)."""
+    body = {
         "input_ids": list(request.prompt_ids),
         "sampling_params": sampling_params_body(params, request.request_id),
         "return_logprob": True,
         "logprob_start_len": -1,
     }
+    if return_routed_experts:
+        body["return_routed_experts"] = True
+    return body
+
+
+def moe_layer_indices(text_config: PretrainedConfig) -> tuple[int, ...]:
+    """The decoder layers that route to experts, by the rules transformers builds them with:
+    Qwen2/3-MoE (and the Qwen3-VL/Omni text models) skip `mlp_only_layers` and keep every
+    `decoder_sparse_step`-th layer; DeepSeek's first `first_k_dense_replace` layers are dense;
+    Mixtral and OLMoE route in every layer."""
+    layers = range(text_config.num_hidden_layers)
+    step = getattr(text_config, "decoder_sparse_step", None)
+    if step:
+        dense = set(getattr(text_config, "mlp_only_layers", None) or ())
+        return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+    return tuple(layers[getattr(text_config, "first_k_dense_replace", None) or 0:])
+
+
+@dataclass(frozen=True)
+class RouteLayout:
+    """What `meta_info.routed_experts` must hold for this model: SGLang sends `num_layers` rows
+    (every decoder layer) of `top_k` ids per position; rlx keeps the rows of `moe_layers`.
+    `num_experts` (None when the config does not say) bounds the ids."""
+
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    top_k: int
+    num_experts: int | None
+
+    @classmethod
+    def of(cls, config: PretrainedConfig, model: str = "the model") -> RouteLayout:
+        text = config.get_text_config()
+        top_k = getattr(text, "num_experts_per_tok", None) or 0
+        moe_layers = moe_layer_indices(text) if top_k > 0 else ()
+        if not moe_layers:
+            raise ConfigError(f"routed experts were asked for (rollout.engine_options.return_routed_experts or "
+                              f"algorithm.routing_replay=r3), but {model} is not a mixture-of-experts model (its "
+                              "config has no num_experts_per_tok or no MoE layer): turn both off")
+        experts = next((getattr(text, key) for key in EXPERT_COUNT_KEYS if getattr(text, key, None)), None)
+        return cls(text.num_hidden_layers, moe_layers, int(top_k), experts)
+
+
+def decode_routes(meta: dict[str, Any], positions: int, layout: RouteLayout) -> torch.Tensor:
+    """`meta_info.routed_experts` as rlx routes `[positions, MoE layers, top_k]` (`ROUTE_DTYPE`);
+    ValueError says what is wrong with it. -1 (`NOT_RECORDED`) passes: the trainer routes those."""
+    payload = meta["routed_experts"]
+    wire = meta.get("routed_experts_dtype", "int32")
+    if wire not in ROUTE_WIRE_DTYPES:
+        raise ValueError(f"meta_info.routed_experts_dtype {wire!r} is none of {sorted(ROUTE_WIRE_DTYPES)}")
+    dtype = ROUTE_WIRE_DTYPES[wire]
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, TypeError, ValueError) as error:
+        raise ValueError(f"meta_info.routed_experts is not base64 ({error})") from None
+    per_position = layout.num_layers * layout.top_k
+    if len(raw) != positions * per_position * dtype.itemsize:
+        raise ValueError(
+            f"meta_info.routed_experts holds {len(raw)} bytes, expected {positions} positions (prompt + response - 1)"
+            f" x {layout.num_layers} layers x top-{layout.top_k} {wire} = {positions * per_position * dtype.itemsize};"
+            " is the server running this model?")
+    flat = torch.from_numpy(np.frombuffer(raw, dtype=dtype).astype(np.int64))
+    routes = flat.reshape(positions, layout.num_layers, layout.top_k)[:, list(layout.moe_layers)]
+    limit = layout.num_experts if layout.num_experts is not None else torch.iinfo(ROUTE_DTYPE).max + 1
+    bad = routes[(routes < NOT_RECORDED) | (routes >= limit)]
+    if bad.numel():
+        raise ValueError(f"meta_info.routed_experts names expert {int(bad[0])}, outside [0, {limit}) for this model"
+                         " (SGLang reports physical expert slots when EPLB's redundant experts are on: turn them off)")
+    return routes.to(ROUTE_DTYPE)
 
 
 def parse_version(value: Any, default: int) -> int:
@@ -150,11 +247,13 @@ def entry_problem(entry: Any, vocab_size: int | None) -> str | None:
 
 
 def result_from_response(request: GenerationRequest, reply: Any, weight_version: int,
-                         vocab_size: int | None = None, server: str = "") -> GenerationResult:
+                         vocab_size: int | None = None, server: str = "",
+                         routes: RouteLayout | None = None) -> GenerationResult:
     """A `/generate` reply as a GenerationResult. Token ids and log-probs both come from
     `meta_info.output_token_logprobs` (`[logprob, token_id, text]` per token), which pairs them
     and includes the final stop token; `weight_version` is the version the request was sent under.
-    Each entry is checked (`entry_problem`) against `vocab_size`."""
+    Each entry is checked (`entry_problem`) against `vocab_size`. With `routes` (the request asked
+    for routed experts) `meta_info.routed_experts` must be there and fit it (`decode_routes`)."""
 
     def malformed(why: str) -> SGLangError:
         return SGLangError("/generate", 200, f"malformed reply ({why}): {excerpt(json.dumps(reply))}", server)
@@ -179,6 +278,16 @@ def result_from_response(request: GenerationRequest, reply: Any, weight_version:
             raise malformed(problem)
         logprobs.append(float(entry[0]))
         token_ids.append(entry[1])
+    routed_experts = None
+    if routes is not None:
+        if meta.get("routed_experts") is None:
+            raise SGLangError("/generate", 200, "the reply has no meta_info.routed_experts although the request set "
+                              "return_routed_experts: start the SGLang server with --enable-return-routed-experts",
+                              server)
+        try:
+            routed_experts = decode_routes(meta, len(request.prompt_ids) + len(token_ids) - 1, routes)
+        except ValueError as error:
+            raise malformed(str(error)) from None
     return GenerationResult(
         request_id=request.request_id,
         prompt_ids=list(request.prompt_ids),
@@ -187,6 +296,7 @@ def result_from_response(request: GenerationRequest, reply: Any, weight_version:
         finish_reason=kind,
         weight_version=weight_version,
         extra={"last_weight_version": parse_version(meta.get("weight_version"), weight_version)},
+        routed_experts=routed_experts,
     )
 
 
@@ -301,8 +411,11 @@ class SGLangEngine(StreamingEngine):
     """The generation-engine interface over one SGLang server (see the module docstring)."""
 
     def __init__(self, url: str, timeout_s: float = 600.0, max_concurrency: int = 64, tp_size: int = 1,
-                 weight_chunk_mb: float = 512.0, api_key: str | None = None, vocab_size: int | None = None) -> None:
+                 weight_chunk_mb: float = 512.0, api_key: str | None = None, vocab_size: int | None = None,
+                 routes: RouteLayout | None = None) -> None:
+        """`routes`: ask for every result's routed experts, which must fit this layout."""
         self.url = url.rstrip("/")
+        self.routes = routes
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         self.tp_size = tp_size
@@ -364,8 +477,8 @@ class SGLangEngine(StreamingEngine):
 
     def _generate_one(self, request: GenerationRequest, params: SamplingParams) -> GenerationResult:
         version = self.weight_version
-        reply = self._call("POST", "/generate", generate_body(request, params))
-        return result_from_response(request, reply, version, self.vocab_size, self.url)
+        reply = self._call("POST", "/generate", generate_body(request, params, self.routes is not None))
+        return result_from_response(request, reply, version, self.vocab_size, self.url, self.routes)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, shared: bool = False) -> None:
         """Pause, update (by broadcast once `init_weights_update_group` ran, else over HTTP), flush
@@ -442,14 +555,21 @@ class SGLangEngine(StreamingEngine):
 
 def build_sglang_engine(spec: EngineSpec) -> tuple[SGLangEngine, Any]:
     """`(engine, tokenizer)`: the server at `options["url"]` serves the model; the tokenizer comes
-    from the same folder locally. `dtype`, `device` and `seed` belong to the server's own launch."""
+    from the same folder locally. `dtype`, `device` and `seed` belong to the server's own launch.
+    Routed experts are asked for when `return_routed_experts` or `spec.record_routes` (R3) says so."""
     options = dict(spec.options)
     unknown = set(options) - OPTIONS
     if unknown:
         raise ConfigError(f"unknown sglang engine_options {sorted(unknown)}; known: {sorted(OPTIONS)}")
     if not options.get("url"):
         raise ConfigError("rollout.engine=sglang needs rollout.engine_options.url (e.g. http://127.0.0.1:30000)")
+    return_routed_experts = options.get("return_routed_experts", False)
+    if not isinstance(return_routed_experts, bool):
+        raise ConfigError(f"rollout.engine_options.return_routed_experts={return_routed_experts!r}: give true or false")
     tokenizer = load_tokenizer(spec.path)
+    routes = None
+    if return_routed_experts or spec.record_routes:
+        routes = RouteLayout.of(AutoConfig.from_pretrained(spec.path), str(spec.path))
     engine = SGLangEngine(
         options["url"],
         timeout_s=float(options.get("timeout_s", 600.0)),
@@ -458,6 +578,7 @@ def build_sglang_engine(spec: EngineSpec) -> tuple[SGLangEngine, Any]:
         weight_chunk_mb=float(options.get("weight_chunk_mb", 512.0)),
         api_key=api_key_from(options),
         vocab_size=vocab_size(spec.path, tokenizer),
+        routes=routes,
     )
     return engine, tokenizer
 
