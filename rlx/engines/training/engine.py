@@ -167,6 +167,11 @@ class TrainingEngine:
         from safetensors.torch import load_file
 
         state = load_file(directory / "model.safetensors")
+        if not state.keys() <= self.model.state_dict().keys():
+            # transformers writes some families (MoE experts) in their original per-expert layout;
+            # `from_pretrained` converts them back to the model's own (fused) layout
+            dtype = next(self.model.parameters()).dtype
+            state = type(self.model).from_pretrained(directory, dtype=dtype, use_safetensors=True).state_dict()
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         tied = {k for k in missing if k == "lm_head.weight" and self.model.config.tie_word_embeddings}
         if set(missing) - tied or unexpected:
