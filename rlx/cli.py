@@ -177,6 +177,11 @@ def _bench(args: argparse.Namespace) -> int:
                                           cells=parse_cells(args.cells))
         table = format_table(results)
         command = f"rlx bench staleness --steps {args.steps} --eval-size {args.eval_size} --work-dir {args.work_dir}"
+    elif args.what == "r3":
+        from rlx.bench.r3 import format_table, run_r3_benchmark
+
+        table = format_table(run_r3_benchmark(Path(args.work_dir), repeats=args.repeats))
+        command = f"rlx bench r3 --repeats {args.repeats}"
     else:
         from rlx.bench.pipeline import format_table, run_pipeline_benchmark
 
@@ -235,10 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=_convert_run)
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side; results go to docs/benchmarks.md")
-    bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms", "staleness", "agentic"])
+    bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms", "staleness", "agentic",
+                                          "r3"])
     bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline, agentic) or per run "
                        "(algorithms, staleness: the same sample budget for every run)")
-    bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus, weights)")
+    bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus, weights, r3)")
     bench.add_argument("--work-dir", default="runs/bench", help="scratch folder for runs and models")
     bench.add_argument("--only", action="append", help="algorithms: run just this one (repeatable); the table "
                        "keeps earlier results found in --work-dir")

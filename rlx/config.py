@@ -298,6 +298,10 @@ class AlgorithmConfig(Section):
     routing_mismatch_every: int = Field(
         10, ge=0, description="R3: every N steps one extra forward without replay measures the rollout/trainer "
         "log-prob mismatch that replay removes (r3/logprob_abs_diff_without_replay); 0: never")
+    router_aux_loss_coef: float = Field(
+        0.0, ge=0.0, description="mixture-of-experts models: weight of the load-balancing loss (Switch: "
+        "E * sum_e f_e P_e per MoE layer, averaged over layers), computed from the experts the forward used (the replayed "
+        "ones under R3); 0: off (a dense model needs 0)")
     _resolved_correction: Correction | None = PrivateAttr(None)
 
     @field_validator("loss", mode="before")
@@ -531,6 +535,9 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if a.routing_replay == "r3" and is_moe_model(c.model.path) is False:
         problems.append(f"algorithm.routing_replay=r3 replays mixture-of-experts routes, but model.path="
                         f"{c.model.path!r} is a dense model: set algorithm.routing_replay=off (or auto)")
+    if a.router_aux_loss_coef > 0 and is_moe_model(c.model.path) is False:
+        problems.append(f"algorithm.router_aux_loss_coef balances mixture-of-experts routers, but model.path="
+                        f"{c.model.path!r} is a dense model: set algorithm.router_aux_loss_coef=0")
     if a.routing_replay == "r3" and c.rollout.engine not in ROUTE_REPORTING_ENGINES:
         problems.append(f"algorithm.routing_replay=r3 needs the experts the engine routed to; rollout.engine="
                         f"{c.rollout.engine} does not report them: use rollout.engine={' or '.join(sorted(ROUTE_REPORTING_ENGINES))}, "

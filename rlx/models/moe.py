@@ -8,7 +8,9 @@ forward takes the flattened hidden states `[N, hidden]` and returns `(logits [N,
 - capture: the chosen experts of every forward are collected (the generation engine records them);
 - replay: given recorded experts, the router's own choice is replaced by them, and the routing
   weights are gathered from the router's full softmax at the recorded experts (renormalised as the
-  family does), so the router still receives gradient through them.
+  family does), so the router still receives gradient through them;
+- balance: with `collect_balance`, each training forward keeps every layer's router probabilities
+  and the experts it used (replayed ones under R3) for the load-balancing loss.
 
 Routes layout (the `routed_experts` of a generation result, a Sample and the bus): an int16 tensor
 `[N, L, K]`: N positions, the tokens the engine ran through the model (prompt tokens and every
@@ -52,6 +54,8 @@ class MoeRouting:
         self._replay: list[torch.Tensor] | None = None
         self._pending_counts: set[int] = set()  # layers whose mismatch this replay has not counted yet
         self._captured: list[torch.Tensor] | None = None
+        self.collect_balance = False  # keep (probabilities, experts) per layer for `balance_loss`
+        self._balance: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.differing = 0  # (token, layer) routes where the router's own choice differs from the replayed
         self.compared = 0
         for layer, router in enumerate(self.routers):
@@ -73,9 +77,10 @@ class MoeRouting:
     def replay(self, routes: torch.Tensor | None) -> None:
         """Route the next forward passes (and their activation-checkpoint recomputations, which run
         after the forward returns) by `routes` `[B, S, L, K]`, aligned with the input ids; None: the
-        routers choose themselves. Stays in force until the next call."""
+        routers choose themselves. Stays in force until the next call, which also starts a new
+        forward for `balance_loss`."""
+        self._replay, self._balance = None, {}
         if routes is None:
-            self._replay = None
             return
         if routes.dim() != 4 or routes.shape[2:] != (self.num_layers, self.top_k):
             raise ValueError(f"routed_experts of shape {tuple(routes.shape)} do not fit this model: expected "
@@ -106,7 +111,17 @@ class MoeRouting:
             weights, experts = self._replayed(layer, logits, weights, experts, renormalise)
         if self._captured is not None:
             self._captured.append(experts.detach())
+        if self.collect_balance and torch.is_grad_enabled():  # a recomputation in backward keeps the first
+            self._balance.setdefault(layer, (torch.softmax(logits.float(), dim=-1), experts.detach()))
         return logits, weights, experts
+
+    def balance_loss(self, mask: torch.Tensor) -> torch.Tensor:
+        """The load-balancing loss of the last training forward (`load_balancing_loss` over its
+        layers), `mask` `[B*S]` marking real tokens."""
+        if not self._balance:
+            raise RuntimeError("no training forward with collect_balance on since the last replay() call")
+        layers = [self._balance[layer] for layer in sorted(self._balance)]
+        return load_balancing_loss([p for p, _ in layers], [e for _, e in layers], mask)
 
     def _replayed(self, layer: int, logits: torch.Tensor, weights: torch.Tensor, own: torch.Tensor,
                   renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +140,24 @@ class MoeRouting:
         if renormalise:
             gathered = gathered / gathered.sum(-1, keepdim=True)
         return gathered.to(weights.dtype), chosen
+
+
+def load_balancing_loss(probabilities: list[torch.Tensor], experts: list[torch.Tensor],
+                        mask: torch.Tensor) -> torch.Tensor:
+    """Switch load balancing per layer, averaged over layers (as Megatron; transformers' Mixtral
+    averages f and P over the layers first, the same for one layer): `E * sum_e f_e * P_e`, with `f_e` the
+    share of the masked tokens' top-k slots that went to expert e (summing to k) and `P_e` their
+    mean router probability of e. `probabilities` `[N, E]` and `experts` `[N, K]` per layer (the
+    experts the forward used: the replayed ones under R3); `mask` `[N]`, 1 on real tokens."""
+    mask = mask.to(probabilities[0].device, torch.float32)
+    tokens = mask.sum().clamp(min=1.0)
+    losses = []
+    for probs, chosen in zip(probabilities, experts):
+        counts = torch.zeros_like(probs).scatter_add_(1, chosen.long(), torch.ones_like(chosen, dtype=probs.dtype))
+        share = (counts * mask[:, None]).sum(0) / tokens
+        mean_probability = (probs * mask[:, None]).sum(0) / tokens
+        losses.append(probs.shape[1] * (share * mean_probability).sum())
+    return torch.stack(losses).mean()
 
 
 def routing_of(model: nn.Module) -> MoeRouting | None:

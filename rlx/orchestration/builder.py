@@ -121,9 +121,9 @@ def build_teacher(config: RunConfig, student_vocab: int) -> Reference:
 
 def load_policy(config: RunConfig, path: Path, dtype: str):
     """`(model, tokenizer)` of the policy for a trainer-side role; with R3 its routers replay the
-    routes that batches carry."""
+    routes that batches carry, with a load-balancing loss they keep what it needs."""
     model, tokenizer = load_pretrained(path, dtype, config.resources.device)
-    if config.routing_replay == "r3":
+    if config.routing_replay == "r3" or config.algorithm.router_aux_loss_coef > 0:
         MoeRouting.of(model)
     return model, tokenizer
 

@@ -14,7 +14,8 @@ Mixture-of-experts policies with R3 train on batches that carry the rollout's ro
 replays them). Each step reports `route_mismatch_fraction` (the share of (position, layer) routes
 where the trainer's router would have chosen other experts) and `rollout_logprob_abs_diff`; every
 `algorithm.routing_mismatch_every` steps one extra forward without replay adds
-`rollout_logprob_abs_diff_unreplayed`, the mismatch replay removes.
+`rollout_logprob_abs_diff_unreplayed`, the mismatch replay removes. `algorithm.router_aux_loss_coef`
+adds the load-balancing loss of the experts each forward used (`router_aux_loss`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ class Actor(Trainable):
         self._sums: dict[str, float] = {}
         self._tokens = self._sequences = 0.0
         self._collected: list[Sample] = []  # the step's samples, when it takes several updates
+        self._routing = routing_of(engine.model)
+        if config.router_aux_loss_coef > 0:
+            if self._routing is None:
+                raise ValueError("algorithm.router_aux_loss_coef needs a mixture-of-experts policy with its routing "
+                                 "installed (rlx.models.moe.MoeRouting.of(model))")
+            self._routing.collect_balance = True
 
     @property
     def _epochs(self) -> bool:
@@ -81,9 +88,8 @@ class Actor(Trainable):
         metrics = finalize_metrics(self._sums, self.config.aggregation, self._tokens * passes,
                                    self._sequences * passes)
         metrics.update(update, train_tokens=self._tokens, train_sequences=self._sequences)
-        routing = routing_of(self.engine.model)
-        if routing is not None:
-            differing, compared = routing.take_mismatch()
+        if self._routing is not None:
+            differing, compared = self._routing.take_mismatch()
             if compared:
                 metrics["route_mismatch_fraction"] = differing / compared
         return metrics
@@ -114,8 +120,15 @@ class Actor(Trainable):
                  entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         fields = {k: v.to(logprobs.device) for k, v in mb.per_token.items()}
         fields.setdefault("old_logprobs", logprobs.detach())
-        return policy_objective(logprobs, entropy, mb.response_mask.to(logprobs.device), fields, self.config,
-                                1.0, 1.0)
+        loss, metrics = policy_objective(logprobs, entropy, mb.response_mask.to(logprobs.device), fields,
+                                         self.config, 1.0, 1.0)
+        if self.config.router_aux_loss_coef > 0:
+            # summed like the policy loss: weighted by the micro-batch's share of what the step divides by
+            weight = float(mb.response_mask.sum()) if self.config.aggregation == "token-mean" else float(mb.size)
+            aux = self._routing.balance_loss(mb.attention_mask.reshape(-1)) * weight
+            loss = loss + self.config.router_aux_loss_coef * aux
+            metrics["router_aux_loss"] = aux.item()
+        return loss, metrics
 
     def _measure_unreplayed(self, batch: TokenBatch) -> None:
         """On the steps `routing_mismatch_every` picks, the rollout/trainer log-prob gap of `batch`

@@ -90,11 +90,12 @@ def test_replay_makes_the_trainer_route_as_a_bf16_engine_did(moe_path, one_threa
     assert gap(replayed) < gap(free)
 
 
-def _actor(path, micro_batch_size: int, every: int) -> Actor:
+def _actor(path, micro_batch_size: int, every: int, aux: float = 0.0) -> Actor:
     model, tokenizer = load_pretrained(path)
     MoeRouting.of(model)
     engine = TrainingEngine(model, tokenizer, TrainConfig(lr=1e-3, micro_batch_size=micro_batch_size, steps=4), 1.0)
-    return Actor(engine, AlgorithmConfig(routing_mismatch_every=every), tokenizer.pad_token_id)
+    return Actor(engine, AlgorithmConfig(routing_mismatch_every=every, router_aux_loss_coef=aux),
+                 tokenizer.pad_token_id)
 
 
 def test_a_replayed_step_is_the_same_for_any_micro_batch_size_and_reports_mismatch(moe_path, one_thread):
@@ -108,6 +109,17 @@ def test_a_replayed_step_is_the_same_for_any_micro_batch_size_and_reports_mismat
     assert whole["rollout_logprob_abs_diff"] < whole["rollout_logprob_abs_diff_unreplayed"]
     off = _actor(moe_path, len(samples), every=0).train(samples)
     assert "rollout_logprob_abs_diff_unreplayed" not in off  # the extra forward runs only when asked
+
+
+def test_the_load_balancing_loss_trains_the_routers_from_the_replayed_routes(moe_path, one_thread):
+    results, _ = _generate(moe_path, count=8, batch=8)
+    samples = [dataclasses.replace(s, advantage=0.0) for s in _samples(results)]  # no policy gradient
+    actor = _actor(moe_path, 4, every=0, aux=1.0)
+    before = [router.weight.detach().clone() for router in actor._routing.routers]
+    metrics = actor.train(samples)
+    assert metrics["router_aux_loss"] > 0
+    # advantages are all 0: the routers move only through the balancing loss
+    assert all(not torch.equal(router.weight, old) for router, old in zip(actor._routing.routers, before))
 
 
 def test_a_multi_turn_trajectory_keeps_each_position_from_its_first_forward():

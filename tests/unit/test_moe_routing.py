@@ -7,7 +7,7 @@ import torch
 
 from rlx.engines.training.batch import collate
 from rlx.model_kinds import is_moe_config, is_moe_model
-from rlx.models.moe import NOT_RECORDED, ROUTE_DTYPE, MoeRouting, routing_of, stack_captured
+from rlx.models.moe import NOT_RECORDED, ROUTE_DTYPE, MoeRouting, load_balancing_loss, routing_of, stack_captured
 from rlx.models.tiny import MOE_FAMILIES, build_tiny, tiny_model, tiny_moe_model
 
 VOCAB = 50
@@ -135,3 +135,42 @@ def test_moe_models_are_told_from_their_config_without_loading(tmp_path):
     assert is_moe_model(str(build_tiny(tmp_path / "moe", moe_family="mixtral"))) is True
     assert is_moe_model(str(build_tiny(tmp_path / "dense"))) is False
     assert is_moe_model(str(tmp_path / "missing")) is None
+
+
+def test_load_balancing_loss_by_hand():
+    balanced = load_balancing_loss([torch.tensor([[0.75, 0.25], [0.25, 0.75]])], [torch.tensor([[0], [1]])],
+                                   torch.ones(2))
+    skewed = load_balancing_loss([torch.tensor([[0.75, 0.25], [0.75, 0.25]])], [torch.tensor([[0], [0]])],
+                                 torch.ones(2))
+    assert balanced.item() == pytest.approx(2 * (0.5 * 0.5 + 0.5 * 0.5))  # E * sum f_e P_e = 1: the minimum
+    assert skewed.item() == pytest.approx(2 * (1.0 * 0.75))
+    masked = load_balancing_loss([torch.tensor([[0.75, 0.25], [0.1, 0.9]])], [torch.tensor([[0], [1]])],
+                                 torch.tensor([1.0, 0.0]))  # the padding token counts for nothing
+    assert masked.item() == pytest.approx(2 * (1.0 * 0.75))
+
+
+def test_balance_loss_matches_transformers_and_uses_the_replayed_experts():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    model = tiny_moe_model("mixtral", VOCAB, layers=1)  # transformers averages f and P over layers first
+    routing = MoeRouting.of(model)
+    routing.collect_balance = True
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    routing.replay(None)
+    output = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    ours = routing.balance_loss(mask.reshape(-1))
+    theirs = load_balancing_loss_func(output.router_logits, routing.num_experts, routing.top_k, mask)
+    torch.testing.assert_close(ours, theirs.float())
+    all_to_one = torch.zeros((*ids.shape, routing.num_layers, routing.top_k), dtype=ROUTE_DTYPE)
+    all_to_one[..., 1] = 1  # every token to experts {0, 1}: as unbalanced as top-2 of 8 gets
+    routing.replay(all_to_one)
+    (logits,) = model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits
+    replayed = routing.balance_loss(mask.reshape(-1))
+    real = mask.reshape(-1).bool()
+    mean_probability = torch.softmax(logits.float(), -1)[real].mean(0)
+    # f = 1 for experts 0 and 1 (every token uses both), 0 for the rest: E * (P_0 + P_1)
+    torch.testing.assert_close(replayed, routing.num_experts * mean_probability[:2].sum())
+    replayed.backward()
+    assert all(router.weight.grad.abs().sum() > 0 for router in routing.routers)
