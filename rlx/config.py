@@ -293,7 +293,7 @@ class AlgorithmConfig(Section):
     routing_replay: Literal["auto", "off", "r3"] = Field(
         "auto", description="mixture-of-experts models: r3 (Rollout Routing Replay) routes every token, in every "
         "trainer forward (Actor, ActorFwd, Reference), to the experts the rollout engine chose; off: the trainer "
-        "routes itself. auto: r3 for a MoE model whose engine reports routes (hf, sglang), else off. r3 on a "
+        "routes itself. auto: r3 for a MoE model whose engine reports routes (hf, vllm, sglang), else off. r3 on a "
         "dense model is an error")
     routing_mismatch_every: int = Field(
         10, ge=0, description="R3: every N steps one extra forward without replay measures the rollout/trainer "

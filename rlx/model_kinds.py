@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 MOE_BUILTINS = frozenset({"smollm2-moe-4x135m", "tiny-moe"})  # built-in names (rlx.models) of MoE models
-ROUTE_REPORTING_ENGINES = frozenset({"hf", "sglang"})  # engines that return the experts they routed to
+ROUTE_REPORTING_ENGINES = frozenset({"hf", "vllm", "sglang"})  # engines that return the experts they routed to
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 

@@ -58,18 +58,18 @@ def tiny_model(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 
     return LlamaForCausalLM(config).float()
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 
 
 def tiny_moe_model(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
                    experts: int = 8, top_k: int = 2, seed: int = 0):
     """A tiny mixture-of-experts causal LM of one of `MOE_FAMILIES` (random init, fp32)."""
-    from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-    shared = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
-                  num_experts_per_tok=top_k, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                  tie_word_embeddings=False)
+    shared = {"vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": hidden * 2,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+              "max_position_embeddings": 512, "num_experts_per_tok": top_k, "pad_token_id": 0, "bos_token_id": 1,
+              "eos_token_id": 2, "tie_word_embeddings": False}
     if family == "mixtral":
         config = MixtralConfig(num_local_experts=experts, **shared)
     elif family == "qwen3_moe":
@@ -77,6 +77,9 @@ def tiny_moe_model(family: str, vocab_size: int, hidden: int = 64, layers: int =
                                 norm_topk_prob=True, **shared)
     elif family == "olmoe":
         config = OlmoeConfig(num_experts=experts, norm_topk_prob=False, **shared)
+    elif family == "qwen2_moe":  # with a shared expert beside the routed ones
+        config = Qwen2MoeConfig(num_experts=experts, moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden,
+                                norm_topk_prob=False, **shared)
     else:
         raise ValueError(f"family={family!r}: tiny MoE models come in {', '.join(MOE_FAMILIES)}")
     torch.manual_seed(seed)

@@ -36,7 +36,8 @@ def always(_: RunConfig) -> bool:
 class FieldSpec:
     """One bus field. `shape` names its dimensions (`T`: one entry per response token, `P`: per
     prompt token, `S`: per position the engine ran, `L`: per MoE layer, `K`: per routed expert); `scope` is `row` (one value per sample) or `group` (one per prompt group, shared
-    by its samples); `needed_when`: the readers cannot work without it under this condition;
+    by its samples); `present_when`: the field exists only in runs under this condition (default:
+    whenever its writer runs); `needed_when`: the readers cannot work without it under this condition;
     `primary`: the field that says its writing task is done with a row (one per consuming task)."""
 
     name: str
@@ -45,6 +46,7 @@ class FieldSpec:
     dtype: str
     shape: tuple[str, ...] = ()
     scope: Literal["row", "group"] = "row"
+    present_when: Condition = always
     needed_when: Condition | None = None
     primary: bool = False
 
@@ -65,7 +67,8 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("rollout_logprobs", ROLLOUT, ("advantages", "train"), "float32", ("T",)),
     FieldSpec("loss_mask", ROLLOUT, ("critic_train", "train"), "float32", ("T",)),
     FieldSpec("agent_stats", ROLLOUT, ("train",), "json"),
-    FieldSpec("routed_experts", ROLLOUT, ("reference", "actor_fwd", "train"), "int16", ("S", "L", "K")),
+    FieldSpec("routed_experts", ROLLOUT, ("reference", "actor_fwd", "train"), "int16", ("S", "L", "K"),
+              present_when=lambda c: c.routing_replay == "r3"),
     FieldSpec("behavior_version", ROLLOUT, ("train",), "int64"),
     FieldSpec("last_behavior_version", ROLLOUT, ("train",), "int64"),
     FieldSpec("finish_reason", ROLLOUT, ("train",), "str"),
@@ -210,6 +213,6 @@ def build_plan(config: RunConfig, roles: tuple[RoleSpec, ...] = ROLES,
         if len(primaries) != 1:
             raise ConfigError(f"task {task!r} must mark exactly one field it writes as primary (the one that says "
                               f"it is done with a row); it marks {primaries}")
-    plan = RolePlan(active, tuple(spec for spec in fields if spec.writer in tasks))
+    plan = RolePlan(active, tuple(spec for spec in fields if spec.writer in tasks and spec.present_when(config)))
     plan.phase_order  # noqa: B018 -- a cycle of reads and writes raises here, at config time
     return plan

@@ -113,3 +113,38 @@ def test_a_trajectory_waiting_on_a_tool_frees_its_slot_and_resumes_bf16(tiny_pat
         mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
         engine_logprobs = torch.tensor(sample.rollout_logprobs)[mask]
         assert (trained[row, : len(sample.response_ids)].float().cpu()[mask] - engine_logprobs).abs().max() < 5e-2
+
+
+def test_routes_recorded_by_a_bf16_gpu_engine_replay_in_an_fp32_gpu_trainer(tmp_path):
+    """R3 on the GPU: a bf16 engine records routes through continuous batching (sizes match every
+    computed position); the fp32 trainer replays exactly those experts in bf16 autocast, and its
+    log-probs move toward the engine's."""
+    from rlx.models.moe import MoeRouting, stack_captured
+    from rlx.models.tiny import build_tiny
+
+    path = build_tiny(tmp_path / "moe", hidden=128, layers=4, moe_family="qwen3_moe")
+    engine_model, tokenizer = load_pretrained(path, "bfloat16", "cuda")
+    engine = HFGenerationEngine(engine_model, tokenizer.pad_token_id, eos_token_ids(engine_model, tokenizer),
+                                tokenizer, 4, record_routes=True)
+    requests = [GenerationRequest(i, tokenizer.encode(PROMPTS[i % 4])) for i in range(12)]
+    results = [r for r in engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=24, seed=0))
+               if r.response_ids]
+    assert all(r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.response_ids) - 1 for r in results)
+    trainer, _ = load_pretrained(path, "float32", "cuda")
+    routing = MoeRouting.of(trainer)
+    batch = collate([r.prompt_ids for r in results], [r.response_ids for r in results], tokenizer.pad_token_id,
+                    routes=[r.routed_experts for r in results])
+    with torch.no_grad(), routing.capture() as captured:
+        replayed, _ = token_logprobs(trainer, batch, 1.0, bf16=True)
+    used = stack_captured(captured, batch.size, batch.input_ids.shape[1])
+    recorded = batch.routes >= 0
+    assert torch.equal(used[recorded], batch.routes[recorded])
+    with torch.no_grad():
+        free, _ = token_logprobs(trainer, collate([r.prompt_ids for r in results], [r.response_ids for r in results],
+                                                  tokenizer.pad_token_id), 1.0, bf16=True)
+    rollout = torch.zeros_like(replayed.cpu())
+    for row, r in enumerate(results):
+        rollout[row, : len(r.logprobs)] = torch.tensor(r.logprobs)
+    mask = batch.response_mask
+    gap = lambda lp: float(((lp.cpu() - rollout).abs() * mask).sum() / mask.sum())  # noqa: E731
+    assert gap(replayed) <= gap(free)

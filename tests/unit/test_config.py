@@ -358,3 +358,37 @@ def test_doctor_prints_the_resolved_correction_and_warnings(overrides, lines, ca
         assert line in err, (line, err)
     assert err.rstrip().endswith("# config OK")
     assert ("# warning:" in err) == any("warning" in line for line in lines)
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({}, "off"),  # the dense default model
+    ({"model": {"path": "tiny-moe"}}, "r3"),
+    ({"model": {"path": "tiny-moe"}, "rollout": {"engine": "vllm"}}, "r3"),
+    ({"model": {"path": "tiny-moe"}, "rollout": {"engine": "sglang", "engine_options": {"url": "http://127.0.0.1:1"}}},
+     "r3"),
+    ({"model": {"path": "tiny-moe"}, "algorithm": {"routing_replay": "off"}}, "off"),
+])
+def test_routing_replay_resolution(raw, expected):
+    from rlx.config import resolve_routing_replay
+
+    config = build_config(raw)
+    assert config.routing_replay == expected == resolve_routing_replay(config)[0]
+    assert f"routing_replay resolved to {expected}" in config.to_yaml()
+
+
+def test_moe_settings_on_a_dense_model_name_the_fix(tmp_path):
+    with pytest.raises(UserError, match=r"routing_replay=r3 replays mixture-of-experts routes, but model\.path="
+                                              r"'smollm2-135m-instruct' is a dense model"):
+        build_config({"algorithm": {"routing_replay": "r3"}})
+    with pytest.raises(UserError, match="set algorithm.router_aux_loss_coef=0"):
+        build_config({"algorithm": {"router_aux_loss_coef": 0.01}})
+    from rlx.generation_engines import GENERATION_ENGINES
+
+    GENERATION_ENGINES.register("no-routes")(lambda spec: None)
+    try:
+        with pytest.raises(UserError, match="rollout.engine=no-routes does not report them"):
+            build_config({"model": {"path": "tiny-moe"}, "rollout": {"engine": "no-routes"},
+                          "algorithm": {"routing_replay": "r3"}})
+        assert build_config({"model": {"path": "tiny-moe"}, "rollout": {"engine": "no-routes"}}).routing_replay == "off"
+    finally:
+        GENERATION_ENGINES._entries.pop("no-routes")

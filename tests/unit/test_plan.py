@@ -87,6 +87,16 @@ def test_decoupled_ppo_adds_actor_fwd_in_async_mode_only():
     assert not colocated.has("actor_fwd")
 
 
+def test_routing_replay_carries_routes_to_every_trainer_side_forward():
+    plan = plan_of(model={"path": "tiny-moe"}, algorithm={"kl_coef": 0.1}, train={"mode": "async", "max_staleness": 1})
+    assert set(plan.outputs("rollout")) == ROLLOUT_WRITES | {"routed_experts"}
+    for task in ("reference", "actor_fwd", "train"):
+        assert "routed_experts" in plan.inputs(task), task
+    assert "routed_experts" not in plan.inputs("reward") + plan.inputs("advantages")
+    assert "routed_experts" not in plan_of(model={"path": "tiny-moe"}, algorithm={"routing_replay": "off"}).outputs(
+        "rollout")
+
+
 def test_a_needed_field_without_a_writer_names_the_reader_the_field_and_the_writer():
     without_reference = tuple(role for role in ROLES if role.name != "reference")
     with pytest.raises(ConfigError, match="'train' needs field 'ref_logprobs'.*'reference'"):
