@@ -353,6 +353,9 @@ class TrainConfig(Section):
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = Field(1.0, gt=0.0)
     micro_batch_size: int = Field(16, ge=1)
+    activation_checkpointing: bool = Field(
+        False, description="recompute each layer's activations during backward instead of keeping them: less "
+        "memory for about one more forward of compute (R3 routes stay in force for the recomputation)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each step's samples; more than 1 (or mini_batches "
                             "> 1) takes several optimizer updates per step, against old log-probs taken before "
                             "the first, so the clip acts")

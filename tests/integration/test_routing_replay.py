@@ -90,10 +90,11 @@ def test_replay_makes_the_trainer_route_as_a_bf16_engine_did(moe_path, one_threa
     assert gap(replayed) < gap(free)
 
 
-def _actor(path, micro_batch_size: int, every: int, aux: float = 0.0) -> Actor:
+def _actor(path, micro_batch_size: int, every: int, aux: float = 0.0, checkpointing: bool = False) -> Actor:
     model, tokenizer = load_pretrained(path)
     MoeRouting.of(model)
-    engine = TrainingEngine(model, tokenizer, TrainConfig(lr=1e-3, micro_batch_size=micro_batch_size, steps=4), 1.0)
+    train = TrainConfig(lr=1e-3, micro_batch_size=micro_batch_size, steps=4, activation_checkpointing=checkpointing)
+    engine = TrainingEngine(model, tokenizer, train, 1.0)
     return Actor(engine, AlgorithmConfig(routing_mismatch_every=every, router_aux_loss_coef=aux),
                  tokenizer.pad_token_id)
 
@@ -107,6 +108,9 @@ def test_a_replayed_step_is_the_same_for_any_micro_batch_size_and_reports_mismat
         assert small[key] == pytest.approx(whole[key], abs=1e-4), key
     assert 0 < whole["route_mismatch_fraction"] < 1
     assert whole["rollout_logprob_abs_diff"] < whole["rollout_logprob_abs_diff_unreplayed"]
+    recomputed = _actor(moe_path, 2, every=1, checkpointing=True).train(samples)  # replayed in backward too
+    for key in ("loss", "grad_norm", "route_mismatch_fraction"):
+        assert recomputed[key] == pytest.approx(small[key], abs=1e-5), key
     off = _actor(moe_path, len(samples), every=0).train(samples)
     assert "rollout_logprob_abs_diff_unreplayed" not in off  # the extra forward runs only when asked
 

@@ -46,6 +46,8 @@ class TrainingEngine:
         self.config = config
         self.temperature = temperature
         self.forward: Forward = forward or functools.partial(token_logprobs, temperature=temperature)
+        if config.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
