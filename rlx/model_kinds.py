@@ -11,7 +11,7 @@ from pathlib import Path
 
 MOE_BUILTINS = frozenset({"smollm2-moe-4x135m", "tiny-moe"})  # built-in names (rlx.models) of MoE models
 ROUTE_REPORTING_ENGINES = frozenset({"hf", "vllm", "sglang"})  # engines that return the experts they routed to
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # how families name the count
 
 
 def is_moe_config(config: dict) -> bool:
@@ -19,7 +19,7 @@ def is_moe_config(config: dict) -> bool:
     including multimodal ones that keep the language model's config under `text_config`."""
     thinker = config.get("thinker_config") or {}
     for section in (config, config.get("text_config") or {}, thinker.get("text_config") or {}):
-        if any((section.get(key) or 0) > 0 for key in _EXPERT_KEYS) and section.get("num_experts_per_tok"):
+        if any((section.get(key) or 0) > 0 for key in EXPERT_COUNT_KEYS) and section.get("num_experts_per_tok"):
             return True
     return False
 

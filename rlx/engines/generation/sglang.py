@@ -69,6 +69,7 @@ from transformers import AutoConfig, PretrainedConfig
 from rlx.engines.generation import EngineSpec
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
 from rlx.errors import ConfigError
+from rlx.model_kinds import EXPERT_COUNT_KEYS
 from rlx.models import load_tokenizer
 from rlx.models.moe import NOT_RECORDED, ROUTE_DTYPE
 from rlx.weights.broadcast import serve_store
@@ -77,7 +78,6 @@ OPTIONS = {"url", "api_key", "api_key_env", "timeout_s", "tp_size", "weight_chun
            "return_routed_experts"}
 LOGPROB_SLACK = 1e-4  # a log-prob a hair above 0 is rounding; more is not a log-prob
 ROUTE_WIRE_DTYPES = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 Refill = Callable[[int], list[GenerationRequest]]
 WeightGroup = Any  # a c10d ProcessGroupGloo or ProcessGroupNCCL, used without a default group
 
