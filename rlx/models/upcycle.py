@@ -17,11 +17,12 @@ Every random draw comes from one generator seeded by `seed`: the same seed gives
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from rlx.models.folders import save_model_folder
 
 if TYPE_CHECKING:  # transformers costs seconds to import: only the functions that build need it
     from transformers import LlamaForCausalLM, MixtralForCausalLM
@@ -92,9 +93,4 @@ def build(target: Path, seed: int = 0) -> Path:
     dense_path = resolve_model_path(DENSE_MODEL, target.parent)
     dense, tokenizer = load_pretrained(dense_path)
     model = upcycle_llama(dense, seed=seed)
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    staging.rename(target)
-    return target
+    return save_model_folder(model, tokenizer, target)
