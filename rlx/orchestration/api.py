@@ -6,7 +6,8 @@ written, readable only by its owner, to `<run_dir>/api_token`. A guard in front 
 names is 421 (DNS rebinding), a missing or wrong token 401, more than `max_concurrent` requests at
 once 429; a body over `max_body_bytes` is 413. One scale operation (the API's or the autoscaler's)
 runs at a time; a second one gets 409, as does one the cluster cannot place; one that does not
-finish in time is 504.
+finish in time is 504. Rollout engines added by URL (`POST /v1/rollout/engines`): an unreachable
+server or an engine kind without a URL adapter is 422, a URL already added 409, an unknown id 404.
 """
 
 from __future__ import annotations
@@ -40,6 +41,19 @@ class ScaleTimedOut(TimeoutError):
     """New replicas did not start in time; the scale was undone."""
 
 
+class EngineRejected(ValueError):
+    """A rollout engine that cannot be added by URL (unreachable, or a kind rlx cannot drive by URL);
+    the message names the field and the fix."""
+
+
+class EngineConflict(RuntimeError):
+    """The URL is already a rollout engine of this run, or the run holds as many as it may."""
+
+
+class UnknownEngine(LookupError):
+    """No rollout engine added by URL has this id."""
+
+
 class RunControl(Protocol):
     """What the API can see and do; the async controller implements it."""
 
@@ -50,6 +64,12 @@ class RunControl(Protocol):
     def scale(self, replicas: int) -> dict[str, Any]:
         """Raises ScaleInProgress while another scale operation runs, ScaleRefused when the cluster
         cannot place the replicas, ScaleTimedOut when they do not start in time."""
+
+    def add_engine(self, url: str, engine: str) -> dict[str, Any]:
+        """Raises EngineRejected, EngineConflict or ScaleRefused (the cluster cannot place its relay)."""
+
+    def remove_engine(self, engine_id: str) -> dict[str, Any]:
+        """Raises UnknownEngine."""
 
     def checkpoint(self) -> str: ...
 
@@ -66,6 +86,20 @@ class ScaleRequest(BaseModel):
 class ScaleResult(BaseModel):
     replicas_before: int
     replicas: int
+
+
+class AddEngineRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    url: str = Field(min_length=1, max_length=2048, description="base URL of a running server, e.g. "
+                     "http://127.0.0.1:30000")
+    engine: str = Field(max_length=64, description="the server's kind: sglang")
+
+
+class EngineInfo(BaseModel):
+    id: str
+    url: str
+    engine: str
+    state: str = Field(description="pending, loading, active or draining")
 
 
 class CheckpointResult(BaseModel):
@@ -95,8 +129,32 @@ def build_api(control: RunControl, token: str, host: str = "127.0.0.1", max_body
 
     @app.get("/v1/rollout/engines", responses=errors)
     def engines() -> list[dict[str, Any]]:
-        """Every rollout replica: its id, weight version, samples produced, busy fraction."""
+        """Every rollout engine, Serve replicas and engines added by URL: its id, kind, state (pending,
+        loading, active, draining), weight version, samples produced, busy fraction."""
         return control.engines()
+
+    @app.post("/v1/rollout/engines", response_model=EngineInfo, status_code=202,
+              responses={**errors, 409: {"model": Detail}, 422: {"model": Detail}})
+    def add_engine(request: AddEngineRequest) -> EngineInfo:
+        """Add a running server as a rollout engine. Accepted once the server answers and its relay
+        is deployed (state `pending`); it loads the latest published weights (`loading`) before it
+        takes any prompt group (`active`)."""
+        try:
+            return EngineInfo(**control.add_engine(request.url, request.engine))
+        except EngineRejected as bad:
+            raise HTTPException(422, str(bad)) from bad
+        except (EngineConflict, ScaleRefused) as conflict:
+            raise HTTPException(409, str(conflict)) from conflict
+
+    @app.delete("/v1/rollout/engines/{engine_id}", response_model=EngineInfo, status_code=202,
+                responses={**errors, 404: {"model": Detail}})
+    def remove_engine(engine_id: str) -> EngineInfo:
+        """Remove an engine added by URL: it takes no new group, finishes (or hands back) the ones it
+        holds (`draining`), then leaves the list. Serve replicas are scaled with /v1/rollout/scale."""
+        try:
+            return EngineInfo(**control.remove_engine(engine_id))
+        except UnknownEngine as unknown:
+            raise HTTPException(404, unknown.args[0]) from unknown
 
     @app.post("/v1/rollout/scale", response_model=ScaleResult,
               responses={**errors, 409: {"model": Detail}, 504: {"model": Detail}})

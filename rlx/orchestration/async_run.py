@@ -32,13 +32,14 @@ from rlx.orchestration.builder import (
     prompt_encoder,
     sampling_params,
 )
-from rlx.orchestration.controller import Controller
+from rlx.orchestration.controller import DRAIN_S, Controller
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.faults import DriverFaults
 from rlx.orchestration.health import HealthManager
 from rlx.orchestration.plan import build_plan
 from rlx.orchestration.reports import Cursor
 from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
+from rlx.orchestration.url_engines import UrlEngines
 from rlx.weights.sync import CoordinatorUnavailable, WeightReader, WeightSync
 
 POLL_S = 2.0  # status round trips cost CPU the roles need
@@ -83,6 +84,7 @@ class AsyncRun:
         self.autoscaler: Autoscaler | None = None
         self.autoscaling: threading.Thread | None = None
         self.scale_events: list[dict[str, Any]] = []
+        self.url_engines: UrlEngines | None = None  # once the run's roles are deployed
 
     # -- RunControl ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -90,10 +92,19 @@ class AsyncRun:
         for beat in self.health.live.values():
             roles.setdefault(beat["role"], []).append(beat["status"])
         return {"step": self.step, "steps": self.config.train.steps, "roles": roles,
-                "recoveries": self.health.report() + self.dcs_recoveries, "prompts": self.controller.prompts.state()}
+                "recoveries": self.health.report() + self.dcs_recoveries, "prompts": self.controller.prompts.state(),
+                "url_engines": self.url_engines.events}
 
     def engines(self) -> list[dict[str, Any]]:
-        return self.health.replicas("rollout")
+        replicas = [{**beat, "id": beat["replica"], "engine": self.config.rollout.engine, "url": None}
+                    for beat in self.health.replicas("rollout") if "engine_id" not in beat]
+        return replicas + self.url_engines.listing()
+
+    def add_engine(self, url: str, engine: str) -> dict[str, Any]:
+        return self.url_engines.add(url, engine)
+
+    def remove_engine(self, engine_id: str) -> dict[str, Any]:
+        return self.url_engines.remove(engine_id)
 
     def scale(self, replicas: int, reason: str = "requested through the API") -> dict[str, Any]:
         if not self.scaling.acquire(blocking=False):
@@ -193,6 +204,15 @@ class AsyncRun:
         self.autoscaling = threading.Thread(target=scale, name="rlx-autoscale", daemon=True)
         self.autoscaling.start()
 
+    def _stop_url_engines(self) -> None:
+        """Like the rollout, they finish their groups before the final checkpoint; one still starting
+        (or whose server is gone) is not waited for."""
+        for engine in [e for e in self.url_engines.engines.values() if not e.draining]:
+            try:
+                self.controller.call_service(engine.key, "stop", timeout_s=DRAIN_S + 10)
+            except (KeyError, ray.exceptions.RayError, TimeoutError) as error:
+                self.echo(f"stopping rollout engine {engine.id}: {type(error).__name__}: {error}")
+
     # -- the loop --------------------------------------------------------------------------------
     def run(self, writer: MetricsWriter, started: float, resume: bool) -> None:
         cfg, t, c = self.config, self.config.train, self.controller
@@ -209,6 +229,7 @@ class AsyncRun:
         self.health = HealthManager(c.plan, c.bus, c.prompts, c.heartbeats, cfg.rollout.n, t.heartbeat_timeout_s,
                                     t.max_restarts_per_role, t.max_restarts, c.weights,
                                     global_recovery=c.plan.stateful_roles)
+        self.url_engines = UrlEngines(c, self.health, self.echo)
         api = ApiServer(self, self.run_dir).start()
         if cfg.rollout.autoscale.enabled:
             r = cfg.rollout
@@ -226,6 +247,7 @@ class AsyncRun:
                                f"rows back on the bus, {r.groups_requeued} prompt groups handed out again")
                     self.echo(message)
                     self.alerts.notify("recovery", message)
+                self.url_engines.observe()
                 self._follow_weights()
                 self._autoscale()
                 if "critic" in c.handles:
@@ -247,6 +269,7 @@ class AsyncRun:
                     break
             if self.autoscaling is not None:  # a scale operation in flight finishes before the roles stop
                 self.autoscaling.join()
+            self._stop_url_engines()
             for role in ("rollout", "actor"):  # the actor may be mid-step, waiting for rows that will not come
                 c.call_service(role, "stop")
             self.checkpoint()
@@ -254,7 +277,7 @@ class AsyncRun:
                 {"recoveries": self.health.report() + self.dcs_recoveries, "prompts": c.prompts.state(),
                  "bus": c.bus.metrics(),
                  "weights": c.weights.status(), "samples_rolled_back": self.samples_rolled_back,
-                 "scaling": self.scale_events}, indent=2))
+                 "scaling": self.scale_events, "url_engines": self.url_engines.events}, indent=2))
             final = evaluator()
             final["wall_time_s"] = time.perf_counter() - started
             writer.write(self.step, final)

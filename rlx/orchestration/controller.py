@@ -29,6 +29,8 @@ from rlx.run_state import load_run_state
 from rlx.weights.sync import WeightSync
 
 DRAIN_S = 60  # a removed rollout replica finishes its groups within this, or they are handed out again
+URL_ENGINE_CPUS = 0.25  # the relay process of an engine added by URL: tokenizer, HTTP and bus only
+URL_ENGINE_START_TRIES = 3
 
 
 def run_id(config: RunConfig) -> str:
@@ -46,6 +48,12 @@ class HeartbeatsClient:
 
     def forget(self, replica: str) -> None:
         ray.get(self.actor.forget.remote(replica))
+
+    def phases(self) -> dict[str, str]:
+        return ray.get(self.actor.phase_board.remote())
+
+    def clear_phase(self, engine_id: str) -> None:
+        self.actor.clear_phase.remote(engine_id)
 
 
 CALL_TIMEOUT_S = 600.0  # a checkpoint of a large model can take minutes; anything longer is a hang
@@ -92,15 +100,49 @@ class Controller:
         self.prompts.resume(prompts)
 
     def _target(self, role: str, replicas: int) -> serve.RunTarget:
-        cfg, res = self.config, getattr(self.config.resources, role)
+        res = getattr(self.config.resources, role)
+        return self._service_target(role, role, replicas, self.config.model_dump(mode="json"),
+                                    {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus})
+
+    def _service_target(self, key: str, role: str, replicas: int, config: dict[str, Any],
+                        actor_options: dict[str, Any], engine_id: str | None = None) -> serve.RunTarget:
+        """The Serve application `key` of this run: `replicas` RoleServices of `role`."""
         deployment = serve.deployment(
-            RoleService, name=self.app_name(role), num_replicas=replicas,
-            ray_actor_options={"num_cpus": res.num_cpus, "num_gpus": res.num_gpus},
+            RoleService, name=self.app_name(key), num_replicas=replicas, ray_actor_options=actor_options,
             health_check_period_s=1, health_check_timeout_s=60, max_ongoing_requests=8,
             graceful_shutdown_timeout_s=DRAIN_S if role == "rollout" else 5,
+            # an engine added by URL that cannot start (its server holds another model) fails soon and is dropped
+            **({"max_constructor_retry_count": URL_ENGINE_START_TRIES} if engine_id is not None else {}),
         )
-        app = deployment.bind(role, cfg.model_dump(mode="json"), self.shared)
-        return serve.RunTarget(app, name=self.app_name(role), route_prefix=None)
+        app = deployment.bind(role, config, self.shared, engine_id)
+        return serve.RunTarget(app, name=self.app_name(key), route_prefix=None)
+
+    def deploy_url_engine(self, engine_id: str, config: dict[str, Any]) -> str:
+        """A rollout engine added by URL runs as its own one-replica application (its own fault
+        domain, removed alone), a relay of `URL_ENGINE_CPUS`: its server does the generating.
+        Returns its key among the handles; not waited for."""
+        key = f"rollout-{engine_id}"
+        require_placeable(key, {"CPU": URL_ENGINE_CPUS}, 1, "remove an engine added by URL, scale the rollout in, "
+                          "or add nodes")
+        target = self._service_target(key, "rollout", 1, config, {"num_cpus": URL_ENGINE_CPUS, "num_gpus": 0},
+                                      engine_id)
+        self.handles[key] = serve.run_many([target], wait_for_applications_running=False)[0]
+        return key
+
+    def remove_app(self, key: str) -> None:
+        """Delete one application without waiting: Serve stops its replicas (a rollout drains first)."""
+        self.handles.pop(key, None)
+        serve.delete(self.app_name(key), _blocking=False)
+
+    def app_running(self, key: str) -> bool:
+        return self.app_name(key) in serve.status().applications
+
+    def app_failure(self, key: str) -> str | None:
+        """Serve's reason when application `key` failed to deploy (its replicas' constructors kept failing)."""
+        status = serve.status().applications.get(self.app_name(key))
+        if status is None or status.status != "DEPLOY_FAILED":
+            return None
+        return status.message or "no reason given"
 
     def app_name(self, role: str) -> str:
         """The Serve application of `role`, scoped to this run: two runs on one cluster never collide."""
@@ -146,8 +188,8 @@ class Controller:
             if self.started_ray:
                 serve.shutdown()
             else:  # a shared cluster: remove this run's applications only (deleting a missing one is a no-op)
-                for role in self.plan.role_names:
-                    serve.delete(self.app_name(role))
+                for key in {*self.plan.role_names, *self.handles}:
+                    serve.delete(self.app_name(key))
                 if self.weights is not None:
                     self.weights.close()
         if self.started_ray:

@@ -67,6 +67,7 @@ class HealthManager:
         self.recoveries: list[Recovery] = []
         self.faults_at: dict[str, float] = {}  # role -> when a fault was injected into it
         self.live: dict[str, dict[str, Any]] = {}  # replica -> its latest beat
+        self.retired: set[str] = set()  # rollout engines added by URL and dropped: their beats are no deaths
 
     def fault_injected(self, role: str) -> None:
         self.faults_at[role] = time.monotonic()
@@ -77,6 +78,9 @@ class HealthManager:
         self.live = {}
         for replica, beat in self.heartbeats.snapshot().items():
             role, status = beat["role"], beat["status"]
+            if status.get("engine_id") in self.retired:  # a beat sent just before its replica was killed
+                self.heartbeats.forget(replica)
+                continue
             if replica not in self.known:
                 self.known[replica] = (role, time.monotonic() - beat["age_s"], status.get("weight_version"))
             if status.get("error") and role in self.stateful:
@@ -95,7 +99,8 @@ class HealthManager:
             raise RoleFailed(f"role {role!r} lost its replica {replica} (silent for more than {self.dead_after_s:.0f}s);"
                              " it holds the optimizer state, so the run stops here: continue with "
                              "`rlx train <config> --resume`")
-        self.restarts[role] += 1
+        # a relay of an engine added by URL dies with its server: dropped by UrlEngines, no restart to count
+        self.restarts[role] += status.get("engine_id") is None
         if self.restarts[role] > self.max_restarts_per_role or sum(self.restarts.values()) > self.max_restarts:
             raise RoleFailed(f"role {role!r} was replaced {self.restarts[role]} times (all roles: "
                              f"{sum(self.restarts.values())}); limits are train.max_restarts_per_role="
@@ -116,6 +121,24 @@ class HealthManager:
                             others_serving=others)
         self.recoveries.append(recovery)
         return recovery
+
+    def retire_engine(self, engine_id: str) -> tuple[int, int]:
+        """A rollout engine added by URL whose server stopped answering: make sure its replicas are
+        gone and hand back what they held, as for a death, but it is no restart and nothing replaces
+        it. Returns (rows released, groups requeued)."""
+        self.retired.add(engine_id)
+        released = requeued = 0
+        for replica, beat in self.heartbeats.snapshot().items():
+            if beat["status"].get("engine_id") != engine_id:
+                continue
+            kill_quietly(beat["status"].get("actor_name"))
+            self.heartbeats.forget(replica)
+            self.live.pop(replica, None)
+            if self.weights is not None:
+                self.weights.forget(replica)
+            rows, groups = self._return_work(beat["role"], replica)
+            released, requeued = released + rows, requeued + groups
+        return released, requeued
 
     def _replacement(self, recovery: Recovery) -> tuple[float, int | None] | None:
         """(seconds from the death to the first beat, first weight version) of the next replica of

@@ -15,6 +15,18 @@ import ray
 class Heartbeats:
     def __init__(self) -> None:
         self.replicas: dict[str, dict[str, Any]] = {}  # replica id -> {role, last, first, status}
+        self.phases: dict[str, str] = {}  # rollout engine added by URL -> what it does before its first beat
+
+    def announce(self, engine_id: str, phase: str) -> None:
+        """A replica still starting says so ("loading": the latest weights go to its server), as
+        beats begin only once it serves."""
+        self.phases[engine_id] = phase
+
+    def phase_board(self) -> dict[str, str]:
+        return dict(self.phases)
+
+    def clear_phase(self, engine_id: str) -> None:
+        self.phases.pop(engine_id, None)
 
     def beat(self, role: str, replica: str, status: dict[str, Any]) -> None:
         now = time.monotonic()

@@ -20,9 +20,10 @@ POLL_S = 0.5
 RESTORE_S = 120.0  # the longest wait for the previous replicas to run again after a failed scale
 
 
-def require_placeable(role: str, per_replica: Mapping[str, float], added: int) -> None:
+def require_placeable(role: str, per_replica: Mapping[str, float], added: int, fix: str | None = None) -> None:
     """Raise ScaleRefused, naming the resource, when `added` more replicas needing `per_replica`
-    each (e.g. {"CPU": 0.5, "GPU": 0}) do not fit in what the cluster has free now."""
+    each (e.g. {"CPU": 0.5, "GPU": 0}) do not fit in what the cluster has free now. `fix`: what to
+    do about it (default: scale to fewer or lower the role's resources)."""
     if added <= 0:
         return
     free, total = ray.available_resources(), ray.cluster_resources()
@@ -31,8 +32,8 @@ def require_placeable(role: str, per_replica: Mapping[str, float], added: int) -
         if needed > free.get(resource, 0.0) + 1e-9:
             raise ScaleRefused(
                 f"{added} more {role} replica(s) need {needed:g} {resource} ({each:g} each) but the cluster has "
-                f"{free.get(resource, 0.0):g} {resource} free of {total.get(resource, 0.0):g}; scale to fewer, "
-                f"lower resources.{role}.num_{resource.lower()}s, or add nodes")
+                f"{free.get(resource, 0.0):g} {resource} free of {total.get(resource, 0.0):g}; "
+                + (fix or f"scale to fewer, lower resources.{role}.num_{resource.lower()}s, or add nodes"))
 
 
 def running_replicas(app: str) -> int | None:

@@ -166,12 +166,17 @@ def replica_id() -> str:
 
 
 class RoleService:
-    def __init__(self, role: str, config: dict[str, Any], shared: Shared) -> None:
+    def __init__(self, role: str, config: dict[str, Any], shared: Shared, engine_id: str | None = None) -> None:
+        """`engine_id`: a rollout engine added by URL (`config` points the engine at its server); it
+        says it is loading until its first beat, and every beat carries its id."""
         cfg = RunConfig.model_validate(config)
         prepare_process(cfg, threads=getattr(cfg.resources, role).threads)
-        self.role, self.hang_timeout_s = role, cfg.train.hang_timeout_s
+        self.role, self.hang_timeout_s, self.engine_id = role, cfg.train.hang_timeout_s, engine_id
         self.consumer = f"{role}-{replica_id()}"
         self.heartbeats = shared.heartbeats
+        self.draining = False
+        if engine_id is not None:
+            self.heartbeats.announce.remote(engine_id, "loading")
         shared = Shared(shared.bus.for_consumer(self.consumer), shared.weights, shared.prompts, shared.heartbeats,
                         shared.run_dir)
         self.worker = SERVICE_BUILDERS[role](cfg, build_plan(cfg), shared)
@@ -188,6 +193,7 @@ class RoleService:
 
     def stop(self) -> None:
         """Finish in-flight work (a rollout completes the groups it started), then say goodbye."""
+        self.draining = True
         self.worker.stop()
         self.stopped.set()
         goodbye = {**self.status(), "stopped": True, "failure": self.failure}
@@ -201,7 +207,10 @@ class RoleService:
             self.stop()
 
     def status(self) -> dict[str, Any]:
-        return {**self.worker.status(), "consumer": self.consumer}
+        state = {"state": "draining" if self.draining else "active"}
+        if self.engine_id is not None:
+            state["engine_id"] = self.engine_id
+        return {**self.worker.status(), "consumer": self.consumer, **state}
 
     def invoke_worker(self, method: str, *args: Any) -> Any:
         """Run a role-specific method of the worker (e.g. the actor's checkpoint)."""

@@ -19,11 +19,19 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from rlx.obs.metrics import read_metrics
-from rlx.orchestration.api import MAX_BODY_BYTES, ApiServer, ScaleRefused, ScaleTimedOut
+from rlx.orchestration.api import (
+    MAX_BODY_BYTES,
+    ApiServer,
+    EngineRejected,
+    ScaleRefused,
+    ScaleTimedOut,
+    UnknownEngine,
+)
 from rlx.orchestration.async_run import run_async
 from tests.integration.test_colocate_loop import toy_config
 
 ROUTES = [("GET", "/v1/status"), ("GET", "/v1/rollout/engines"), ("POST", "/v1/rollout/scale"),
+          ("POST", "/v1/rollout/engines"), ("DELETE", "/v1/rollout/engines/url-1"),
           ("POST", "/v1/checkpoint"), ("POST", "/v1/stop"), ("GET", "/docs"), ("GET", "/openapi.json"),
           ("GET", "/no/such/route")]
 
@@ -54,6 +62,12 @@ class StandIn:
             raise ScaleTimedOut(f"rlx-rollout: {replicas} replica(s) did not all start within 1s")
         before, self.replicas = self.replicas, replicas
         return {"replicas_before": before, "replicas": replicas}
+
+    def add_engine(self, url: str, engine: str) -> dict[str, Any]:
+        raise EngineRejected(f"url={url}: no SGLang-compatible server answered; start the server first")
+
+    def remove_engine(self, engine_id: str) -> dict[str, Any]:
+        raise UnknownEngine(f"no rollout engine added by URL has id {engine_id!r}")
 
     def checkpoint(self) -> str:
         return "/tmp/checkpoint"
