@@ -367,9 +367,9 @@ class TrainConfig(Section):
         "no bf16 parameters). Reference and Teacher load their weights in this dtype; ActorFwd keeps float32 "
         "weights under the same autocast as the Actor, so its proximal log-probs match the Actor's own")
     reduce_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype of the gradient reduction across trainer processes. The rlx trainer is one "
-        "process: nothing is reduced, and gradients and losses accumulate in float32 whatever this says. bfloat16 "
-        "is accepted only with param_dtype=bfloat16, and `rlx doctor` notes that it has no effect")
+        "float32", description="dtype of the gradient reduction across the ranks of a sharded trainer "
+        "(resources.actor.ranks > 1). A one-process trainer reduces nothing and accumulates in float32. bfloat16 "
+        "is accepted only with param_dtype=bfloat16")
     eval_every: int = Field(10, ge=0, description="0 evaluates only before and after training")
     checkpoint_every: int = Field(0, ge=0, description="0 saves only the final checkpoint")
     time_budget_s: float | None = Field(None, gt=0, description="stop after this much wall time")
@@ -395,6 +395,9 @@ class RoleResources(Section):
     replicas: int = Field(1, ge=1, le=16, description="replicas of the role (async mode). A stateless role with 2 "
                           "or more keeps serving while a lost one is replaced; the Rollout starts with this "
                           "many (`rlx scale` changes it); the Actor and the Critic have exactly one")
+    ranks: int = Field(1, ge=1, le=64, description="processes that train the role together, its parameters, "
+                       "gradients and optimizer state sharded over them (FSDP2; gloo on CPU, nccl with GPUs). "
+                       "Actor and Critic; each rank reserves num_cpus and num_gpus")
 
 
 class ResourcesConfig(Section):
@@ -567,6 +570,15 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if scale.enabled and explicit and not scale.min_replicas <= c.resources.rollout.replicas <= scale.max_replicas:
         problems.append(f"resources.rollout.replicas={c.resources.rollout.replicas} is outside rollout.autoscale's "
                         f"range {scale.min_replicas}..{scale.max_replicas}: start within it")
+    ranked = [role for role, value in c.resources if isinstance(value, RoleResources) and value.ranks > 1]
+    for role in ranked:
+        if role not in ("actor", "critic"):
+            problems.append(f"resources.{role}.ranks={getattr(c.resources, role).ranks}: only the trainers (actor, "
+                            "critic) shard over ranks; set it to 1")
+    if ranked and (c.train.ppo_epochs > 1 or c.train.mini_batches > 1):
+        problems.append(f"resources.{ranked[0]}.ranks > 1 with train.ppo_epochs={c.train.ppo_epochs} and "
+                        f"train.mini_batches={c.train.mini_batches}: a sharded trainer takes one update per step "
+                        "for now; set both to 1, or ranks=1")
     if c.reward.scope == "group" and ":" not in c.reward.name:
         problems.append(f"reward.scope=group needs a custom group reward (module:function); {c.reward.name!r} "
                         "scores one response at a time: set reward.scope=sample")
@@ -616,9 +628,9 @@ def config_warnings(c: RunConfig) -> list[str]:
         warnings.append(f"algorithm.behavior_correction=none with train.max_staleness={c.train.max_staleness}: "
                         "samples from older weights train uncorrected, as if on-policy; set "
                         "algorithm.behavior_correction=auto (decoupled here) or tis")
-    if c.train.reduce_dtype == "bfloat16":
-        warnings.append("train.reduce_dtype=bfloat16 has no effect: the trainer is one process and accumulates "
-                        "gradients in float32")
+    if c.train.reduce_dtype == "bfloat16" and c.resources.actor.ranks == 1:
+        warnings.append("train.reduce_dtype=bfloat16 has no effect: the trainer is one process (resources.actor."
+                        "ranks=1) and accumulates gradients in float32")
     judge = c.reward.judge
     if c.reward.name == "genrm" and c.rollout.engine != "hf" and "engine" not in judge.model_fields_set:
         warnings.append(f"the GenRM judge runs on its own engine, reward.judge.engine=hf, not the policy's "

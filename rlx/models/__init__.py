@@ -99,11 +99,17 @@ def load_value_model(path: Path, device: str = "cpu"):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the new head's "newly initialized weights" notice is expected
     try:
-        config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
+        config = AutoConfig.from_pretrained(path, num_labels=1)
         model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
                                                                 use_safetensors=True)
     finally:
         hf_logging.set_verbosity(verbosity)
+    # transformers' token classifier puts a dropout (p=0.1 unless the config names one, which Llama's
+    # config does not keep) before the head: values would regress on noised states in training and
+    # be read without it, and gradients would depend on how samples are grouped into micro-batches
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     with torch.no_grad():
         model.score.weight.zero_()
         if model.score.bias is not None:

@@ -6,6 +6,7 @@ model); colocated mode builds them all in one process.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from rlx.data import PromptRow, PromptStream, load_splits
 from rlx.data.prompts import encode_prompt
 from rlx.engines.generation import EngineSpec, SamplingParams, build_generation_engine
 from rlx.engines.training import TrainingEngine
+from rlx.engines.training.fsdp import ShardedTrainingEngine
 from rlx.engines.training.forward import token_values
 from rlx.errors import ConfigError
 from rlx.models import load_pretrained, load_tokenizer, load_value_model, resolve_model_path
@@ -42,6 +44,8 @@ from rlx.weights.buckets import flatten_parameters
 
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
     from transformers import PreTrainedTokenizerBase
+
+    from rlx.orchestration.rank_group import RankGroup
 
 
 def prepare_process(config: RunConfig, threads: int | None = None) -> None:
@@ -100,12 +104,20 @@ def build_genrm(config: RunConfig) -> GenRM:
     return GenRM(engine, tokenizer, judge.prompt, parse, judge.max_score, params)
 
 
-def build_critic(config: RunConfig) -> Critic:
+def build_critic(config: RunConfig) -> Critic | RankGroup:
+    """The Critic: in this process, or over `resources.critic.ranks` rank processes."""
+    if config.resources.critic.ranks > 1:
+        return rank_group(config, "critic", functools.partial(build_critic_rank, config))
+    return build_critic_rank(config)
+
+
+def build_critic_rank(config: RunConfig) -> Critic:
     path = resolve_model_path(config.critic.path or config.model.path)
     tokenizer = load_tokenizer(path)
     train = config.train.model_copy(update={"lr": config.critic.lr, "grad_clip": config.critic.grad_clip})
-    engine = TrainingEngine(load_value_model(path, config.resources.device), tokenizer, train,
-                            config.rollout.temperature, forward=token_values)
+    engine_class = ShardedTrainingEngine if torch.distributed.is_initialized() else TrainingEngine
+    engine = engine_class(load_value_model(path, config.resources.device), tokenizer, train,
+                          config.rollout.temperature, forward=token_values)
     return Critic(engine, tokenizer.pad_token_id, config.critic.value_clip)
 
 
@@ -128,12 +140,34 @@ def load_policy(config: RunConfig, path: Path, dtype: str):
     return model, tokenizer
 
 
-def build_actor(config: RunConfig, path: Path) -> Actor:
+def build_actor(config: RunConfig, path: Path) -> Actor | RankGroup:
+    """The Actor: in this process, or over `resources.actor.ranks` rank processes."""
+    if config.resources.actor.ranks > 1:
+        return rank_group(config, "actor", functools.partial(build_actor_rank, config, path))
+    return build_actor_rank(config, path)
+
+
+def build_actor_rank(config: RunConfig, path: Path) -> Actor:
+    """The Actor of this process: sharded when it is a rank of a process group."""
     model, tokenizer = load_policy(config, path, "float32")
-    # parameters in publish-ready buckets: each DCS publish is then one copy per bucket, no packing
-    flatten_parameters(model, int(config.weights.bucket_mb * (1 << 20)))
-    engine = TrainingEngine(model, tokenizer, config.train, config.rollout.temperature)
+    if torch.distributed.is_initialized():
+        engine = ShardedTrainingEngine(model, tokenizer, config.train, config.rollout.temperature)
+    else:
+        # parameters in publish-ready buckets: each DCS publish is then one copy per bucket, no packing
+        flatten_parameters(model, int(config.weights.bucket_mb * (1 << 20)))
+        engine = TrainingEngine(model, tokenizer, config.train, config.rollout.temperature)
     return Actor(engine, config.algorithm, tokenizer.pad_token_id)
+
+
+def rank_group(config: RunConfig, role: str, build: Callable[[], Actor | Critic]) -> RankGroup:
+    """`build` run on each of the role's ranks, in a Ray cluster (a local one is started for a colocated run)."""
+    from rlx.orchestration.cluster import start_ray
+    from rlx.orchestration.rank_group import RankGroup
+
+    resources = config.resources
+    start_ray(resources.ray_num_cpus, resources.ray_address, resources.ray_allow_unauthenticated)
+    each = getattr(resources, role)
+    return RankGroup(build, each.ranks, each.num_cpus, each.num_gpus, each.threads, role)
 
 
 def build_reference(config: RunConfig, path: Path) -> Reference | None:

@@ -59,21 +59,24 @@ class Actor(Trainable):
         self._sums, self._tokens, self._sequences = {}, 0.0, 0.0
         self._collected = []
 
-    def accumulate(self, samples: list[Sample]) -> None:
+    def accumulate(self, samples: list[Sample], counted: bool = True) -> None:
         """Forward and backward one micro-batch (or, with PPO epochs, keep it for `finish_step`).
 
         Samples carry `ref_logprobs` when KL is on and may carry `old_logprobs` (the proximal
         policy, from ActorFwd); without them the "old" log-probs are the current ones, detached,
-        which is exact for one optimizer step per batch of fresh samples.
+        which is exact for one optimizer step per batch of fresh samples. `counted=False` is a
+        rank's stand-in pass (see `TrainingEngine.accumulate`): same passes, nothing counted.
         """
         if self._epochs:
             self._collected.extend(samples)
             return
         batch = self._batch(samples)
-        self._measure_unreplayed(batch)
-        self._add(self.engine.accumulate(batch, self._loss_fn))
-        self._tokens += float(batch.response_mask.sum())
-        self._sequences += float(batch.size)
+        unreplayed = self._measure_unreplayed(batch)
+        metrics = self.engine.accumulate(batch, self._loss_fn, counted)
+        if counted:
+            self._add({**metrics, **unreplayed})
+            self._tokens += float(batch.response_mask.sum())
+            self._sequences += float(batch.size)
 
     def finish_step(self) -> dict[str, float]:
         passes = 1
@@ -82,6 +85,7 @@ class Actor(Trainable):
             update = self.engine.finish_step()
             passes = self.engine.config.ppo_epochs
         else:
+            self._sum_over_ranks()
             update = self.engine.finish_step(grad_scale=loss_scale(self.config.aggregation, self._tokens,
                                                                    self._sequences))
         # every epoch sees each token once: the metrics are means over all of them
@@ -89,10 +93,16 @@ class Actor(Trainable):
                                    self._sequences * passes)
         metrics.update(update, train_tokens=self._tokens, train_sequences=self._sequences)
         if self._routing is not None:
-            differing, compared = self._routing.take_mismatch()
-            if compared:
-                metrics["route_mismatch_fraction"] = differing / compared
+            counts = self.engine.sum_over_ranks(dict(zip(("differing", "compared"), self._routing.take_mismatch())))
+            if counts["compared"]:
+                metrics["route_mismatch_fraction"] = counts["differing"] / counts["compared"]
         return metrics
+
+    def _sum_over_ranks(self) -> None:
+        """The step's metric sums and token and sequence counts, over every rank of a rank group."""
+        sums = self.engine.sum_over_ranks({**self._sums, "__tokens": self._tokens, "__sequences": self._sequences})
+        self._tokens, self._sequences = sums.pop("__tokens"), sums.pop("__sequences")
+        self._sums = sums
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """One step over samples that are all here, split into micro-batches."""
@@ -101,9 +111,6 @@ class Actor(Trainable):
         for start in range(0, len(samples), size):
             self.accumulate(samples[start : start + size])
         return self.finish_step()
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.engine.weights()
 
     def _batch(self, samples: list[Sample]) -> TokenBatch:
         per_token = {"advantages": [s.token_advantages or [s.advantage] * len(s.response_ids) for s in samples]}
@@ -130,16 +137,16 @@ class Actor(Trainable):
             metrics["router_aux_loss"] = aux.item()
         return loss, metrics
 
-    def _measure_unreplayed(self, batch: TokenBatch) -> None:
-        """On the steps `routing_mismatch_every` picks, the rollout/trainer log-prob gap of `batch`
-        without routing replay: one extra no-grad forward, done before the replayed one."""
+    def _measure_unreplayed(self, batch: TokenBatch) -> dict[str, float]:
+        """On the steps `routing_mismatch_every` picks, the summed rollout/trainer log-prob gap of
+        `batch` without routing replay: one extra no-grad forward, done before the replayed one."""
         every = self.config.routing_mismatch_every
         if (batch.routes is None or not every or self.engine.step % every
                 or "rollout_logprobs" not in batch.per_token):
-            return
+            return {}
         logprobs = self.engine.outputs(dataclasses.replace(batch, routes=None))
         gap = (logprobs - batch.per_token["rollout_logprobs"]).abs() * batch.response_mask
-        self._add({"rollout_logprob_abs_diff_unreplayed": float(gap.sum())})
+        return {"rollout_logprob_abs_diff_unreplayed": float(gap.sum())}
 
     def _add(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
@@ -165,7 +172,7 @@ class Actor(Trainable):
         cfg = self.engine.config
         samples = self._with_old_logprobs(sorted(self._collected, key=lambda s: s.uid))
         batch = self._batch(samples)
-        self._measure_unreplayed(batch)
+        self._add(self._measure_unreplayed(batch))
         self._tokens, self._sequences = float(batch.response_mask.sum()), float(batch.size)
         minis = [batch.select(torch.tensor(rows))
                  for rows in mini_batch_rows([s.uid for s in samples], cfg.mini_batches, cfg.seed) if rows]

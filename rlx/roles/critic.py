@@ -24,8 +24,9 @@ class Critic(Trainable):
         self.engine.begin_step()
         self._sums, self._tokens = {}, 0.0
 
-    def accumulate(self, samples: list[Sample]) -> None:
-        """Forward and backward one micro-batch of samples carrying `values` (old) and `returns`."""
+    def accumulate(self, samples: list[Sample], counted: bool = True) -> None:
+        """Forward and backward one micro-batch of samples carrying `values` (old) and `returns`
+        (`counted=False`: a rank's stand-in pass, see `TrainingEngine.accumulate`)."""
         batch = samples_to_batch(samples, self.pad_token_id, {"old_values": [s.values for s in samples],
                                                               "returns": [s.returns for s in samples]})
 
@@ -41,14 +42,17 @@ class Critic(Trainable):
                 "value_error": float(((values.detach() - returns).abs() * mask).sum()),
             }
 
-        for key, value in self.engine.accumulate(batch, loss_fn).items():
-            self._sums[key] = self._sums.get(key, 0.0) + value
-        self._tokens += float(batch.response_mask.sum())
+        metrics = self.engine.accumulate(batch, loss_fn, counted)
+        if counted:
+            for key, value in metrics.items():
+                self._sums[key] = self._sums.get(key, 0.0) + value
+            self._tokens += float(batch.response_mask.sum())
 
     def finish_step(self) -> dict[str, float]:
-        """Token-mean of the summed losses and metrics, then the optimizer step."""
-        scale = 1.0 / max(self._tokens, 1.0)
-        metrics = {k: v * scale for k, v in self._sums.items()}
+        """Token-mean of the summed losses and metrics (over every rank), then the optimizer step."""
+        sums = self.engine.sum_over_ranks({**self._sums, "__tokens": self._tokens})
+        scale = 1.0 / max(sums.pop("__tokens"), 1.0)
+        metrics = {k: v * scale for k, v in sums.items()}
         update = self.engine.finish_step(grad_scale=scale)
         metrics.update(critic_lr=update["lr"], critic_grad_norm=update["grad_norm"])
         return metrics

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from rlx.engines.training.engine import TrainingEngine
 
 
@@ -18,13 +20,17 @@ class Trainable:
         """Steps finished (each may take several optimizer updates): the Actor's published weight version."""
         return self.engine.step
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The current weights, whole (a rank of a group: gathered onto rank 0, empty elsewhere)."""
+        return self.engine.weights()
+
     def save(self, directory: Path, state: dict, files: dict[str, bytes] | None = None) -> Path:
         """A checkpoint of this role alone: complete or absent, never half."""
         return self.engine.save_checkpoint(directory, state, files)
 
-    def write(self, folder: Path, state: dict) -> None:
-        """This role's part of a checkpoint that several roles share; the caller completes it."""
-        self.engine.write_checkpoint(folder, state)
+    def write(self, folder: Path, state: dict, files: dict[str, bytes] | None = None) -> None:
+        """This role's part of a checkpoint that several roles (or ranks) share; the caller completes it."""
+        self.engine.write_checkpoint(folder, state, files)
 
     def load(self, directory: Path) -> dict:
         """Restore model, optimizer and version; returns the rest of the saved state."""

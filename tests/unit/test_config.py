@@ -326,7 +326,8 @@ def test_precision_keys_and_warnings():
     config = build_config({"train": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}})
     assert config.train.bf16_autocast and not TrainConfig().bf16_autocast
     assert config_warnings(config) == [
-        "train.reduce_dtype=bfloat16 has no effect: the trainer is one process and accumulates gradients in float32"]
+        "train.reduce_dtype=bfloat16 has no effect: the trainer is one process (resources.actor.ranks=1) "
+        "and accumulates gradients in float32"]
     assert config_warnings(RunConfig()) == []
     stale = build_config({"train": {"mode": "async", "max_staleness": 3}, "algorithm": {"behavior_correction": "none"}})
     assert "algorithm.behavior_correction=none with train.max_staleness=3" in config_warnings(stale)[0]
@@ -392,3 +393,11 @@ def test_moe_settings_on_a_dense_model_name_the_fix(tmp_path):
         assert build_config({"model": {"path": "tiny-moe"}, "rollout": {"engine": "no-routes"}}).routing_replay == "off"
     finally:
         GENERATION_ENGINES._entries.pop("no-routes")
+
+
+def test_ranks_are_for_trainers_with_one_update_per_step():
+    assert build_config({"resources": {"actor": {"ranks": 2}, "critic": {"ranks": 2}}}).resources.actor.ranks == 2
+    with pytest.raises(ConfigError, match=r"resources.reference.ranks=2: only the trainers"):
+        build_config({"resources": {"reference": {"ranks": 2}}})
+    with pytest.raises(ConfigError, match=r"resources.actor.ranks > 1 with train.ppo_epochs=2"):
+        build_config({"resources": {"actor": {"ranks": 2}}, "train": {"ppo_epochs": 2}})

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlx.checkpoint_shards import is_sharded
 from rlx.checkpoints import staged_checkpoint
 from rlx.config import TrainConfig
 from rlx.engines.training.batch import TokenBatch
@@ -71,10 +72,11 @@ class TrainingEngine:
         train/eval mode is restored, since this may run mid-step (the old log-probs of PPO epochs)."""
         training = self.model.training
         self.model.eval()
+        micro_batches = list(batch.micro_batches(self.config.micro_batch_size))
         parts = [
             self.forward(self.model, mb, bf16=self.config.bf16_autocast)[0].cpu()
-            for mb in batch.micro_batches(self.config.micro_batch_size)
-        ]
+            for mb in self._in_lockstep(micro_batches)
+        ][: len(micro_batches)]
         self.model.train(training)
         width = batch.response_width
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
@@ -84,14 +86,18 @@ class TrainingEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self._pending, self._finite, self._norms, self._skipped = False, True, [], 0
 
-    def accumulate(self, micro_batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
+    def accumulate(self, micro_batch: TokenBatch, loss_fn: LossFn, counted: bool = True) -> dict[str, float]:
         """Forward and backward one micro-batch; gradients add up until the next update.
 
-        The last update's gradients are dropped only here, so they stay readable after a step."""
+        `counted=False` is a rank's stand-in pass (a rank group runs every pass on every rank): the
+        forward and backward run, the loss is multiplied by zero. The last update's gradients are
+        dropped only here, so they stay readable after a step."""
         if not self._pending:
             self.optimizer.zero_grad(set_to_none=True)
         outputs, entropy = self.forward(self.model, micro_batch, with_entropy=True, bf16=self.config.bf16_autocast)
         loss, metrics = loss_fn(micro_batch, outputs, entropy)
+        if not counted:
+            loss = loss * 0.0
         self._finite = self._finite and bool(torch.isfinite(loss.detach()))
         loss.backward()
         self._pending = True
@@ -106,9 +112,9 @@ class TrainingEngine:
             for param in self.model.parameters():
                 if param.grad is not None:
                     param.grad.mul_(grad_scale)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+        grad_norm = self._clip_gradients()
         self._pending = False
-        if self._finite and math.isfinite(grad_norm):
+        if self._all_ranks(self._finite) and math.isfinite(grad_norm):
             self.optimizer.step()
             self.updates += 1
             self._norms.append(grad_norm)
@@ -117,6 +123,34 @@ class TrainingEngine:
         self._finite = True
         self._skipped += 1
         self.nonfinite_skipped += 1
+
+    def _clip_gradients(self) -> float:
+        """Clip the gradients to `grad_clip` in total norm; returns the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+
+    def _in_lockstep(self, micro_batches: list[TokenBatch]) -> list[TokenBatch]:
+        """The passes to run so that every rank runs as many (one process: these)."""
+        return micro_batches
+
+    def _all_ranks(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (one process: here)."""
+        return flag
+
+    def sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """`values` summed key by key over the ranks (one process: as they are)."""
+        return values
+
+    def tensor_bytes(self) -> dict[str, int]:
+        """Bytes this process holds of parameters, gradients and optimizer state (its shards, when sharded)."""
+        def size(t: torch.Tensor) -> int:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            return local.numel() * local.element_size()
+
+        params = list(self.model.parameters())
+        return {"parameters": sum(size(p) for p in params),
+                "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+                "optimizer": sum(size(v) for state in self.optimizer.state.values()
+                                 for v in state.values() if isinstance(v, torch.Tensor))}
 
     def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         """End the step: take the update of the gradients accumulated since the last `update` (a
@@ -170,6 +204,10 @@ class TrainingEngine:
         safetensors, JSON, and the optimizer with `weights_only=True` (no pickled code runs)."""
         from safetensors.torch import load_file
 
+        if is_sharded(directory):
+            from rlx.engines.training.fsdp import load_sharded_checkpoint
+
+            return load_sharded_checkpoint(self, directory)
         state = load_file(directory / "model.safetensors")
         if not state.keys() <= self.model.state_dict().keys():
             # transformers writes some families (MoE experts) in their original per-expert layout;

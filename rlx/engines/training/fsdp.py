@@ -1,0 +1,180 @@
+"""The FSDP2 training engine: one rank of a trainer's rank group.
+
+Every rank holds a slice of each parameter, of its gradient and of its AdamW state
+(`torch.distributed.fsdp.fully_shard` on each decoder layer, then on the root); a forward gathers a
+layer's parameters just before it runs and frees them after. Each rank's micro-batches add their
+summed losses; FSDP2 averages the gradients over the ranks (gloo has no pre-scaled sum), so the
+update multiplies them back by the number of ranks and divides once by the step's *global* token
+(or sequence) count: the update does not depend on the number of ranks.
+
+The rank group (`rlx.orchestration.rank_group`) runs every call on every rank in lockstep; all
+collectives (gathers in forward and backward, the gradient norm, the finiteness vote, the metric
+sums, the weight gather) happen in the same order on each. Checkpoints are sharded: each rank
+writes its own slices (`rlx.checkpoint_shards`), and a checkpoint loads onto any number of ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from rlx.checkpoint_shards import is_sharded, read_index, read_whole, write_index, write_shard
+from rlx.config import TrainConfig
+from rlx.engines.training.batch import TokenBatch
+from rlx.engines.training.engine import TrainingEngine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def shard_model(model: PreTrainedModel, config: TrainConfig) -> None:
+    """`fully_shard` every decoder layer (the classes transformers names in `_no_split_modules`),
+    then the root. bf16 training gathers bf16 parameters and reduces gradients in `reduce_dtype`;
+    the sharded master weights and AdamW state stay float32."""
+    policy = MixedPrecisionPolicy(param_dtype=_DTYPES[config.param_dtype], reduce_dtype=_DTYPES[config.reduce_dtype])
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer classes (_no_split_modules): rlx cannot "
+                         "shard it layer by layer; train it with resources.<role>.ranks=1")
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+class ShardedTrainingEngine(TrainingEngine):
+    """`TrainingEngine` over FSDP2-sharded parameters, on one rank of an initialised process group."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: TrainConfig,
+                 temperature: float, forward=None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("the sharded training engine runs on a rank of a process group: start it through "
+                               "rlx.orchestration.rank_group.RankGroup")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if config.activation_checkpointing:  # before sharding: the layers keep their checkpoint wrappers
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        shard_model(model, config)
+        super().__init__(model, tokenizer, config.model_copy(update={"activation_checkpointing": False}),
+                         temperature, forward)
+        # the base engine's bf16 autocast is replaced by FSDP2's mixed precision (bf16 gathered parameters)
+        self.config = config.model_copy(update={"param_dtype": "float32"})
+
+    def update(self, grad_scale: float = 1.0) -> None:
+        super().update(grad_scale * self.world)  # FSDP2 averaged the ranks' gradient sums
+
+    def _clip_gradients(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def _in_lockstep(self, micro_batches: list[TokenBatch]) -> list[TokenBatch]:
+        """`micro_batches`, then repeats of the first until every rank has as many passes as the
+        busiest (each pass gathers parameters collectively); the caller drops the repeats' outputs."""
+        most = torch.tensor([len(micro_batches)])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return micro_batches + micro_batches[:1] * (int(most.item()) - len(micro_batches))
+
+    def _all_ranks(self, flag: bool) -> bool:
+        vote = torch.tensor([1 if flag else 0])
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+        return bool(vote.item())
+
+    def sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        gathered: list[dict[str, float]] = [{} for _ in range(self.world)]
+        dist.all_gather_object(gathered, values)
+        total: dict[str, float] = {}
+        for part in gathered:
+            for key, value in part.items():
+                total[key] = total.get(key, 0.0) + value
+        return total
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The whole weights, gathered tensor by tensor onto rank 0's host memory (the other ranks
+        return an empty dict): every rank must call it."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def export(self, directory: Path) -> Path:
+        """A Hugging Face folder, written by rank 0 from the gathered weights; every rank must call it."""
+        whole = self.weights()
+        if self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(directory, state_dict=whole)
+            self.tokenizer.save_pretrained(directory)
+        dist.barrier()
+        return directory
+
+    def write_checkpoint(self, folder: Path, extra_state: dict, extra_files: dict[str, bytes] | None = None) -> None:
+        """Each rank writes its slices; rank 0 then the index, the model's config and tokenizer, the
+        trainer state and `extra_files`. Every rank must call it, with the same `folder`."""
+        tensors, shapes = {}, {}
+        for prefix, named in (("model/", self.model.state_dict().items()), ("optim/", self._optimizer_tensors())):
+            for name, tensor in named:
+                key = prefix + name
+                shapes[key] = list(tensor.shape)
+                if isinstance(tensor, DTensor):
+                    tensors[key] = tensor.to_local()
+                elif self.rank == 0:  # held whole by every rank: written once
+                    tensors[key] = tensor
+        write_shard(folder, self.rank, self.world, tensors)
+        dist.barrier()
+        if self.rank == 0:
+            groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+            write_index(folder, self.world, shapes, {"param_groups": groups, "scheduler": self.scheduler.state_dict()})
+            self.model.config.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+            (folder / "trainer_state.json").write_text(json.dumps({"step": self.step, **extra_state}, indent=2))
+            for name, content in (extra_files or {}).items():
+                (folder / name).write_bytes(content)
+        dist.barrier()
+
+    def _optimizer_tensors(self):
+        """(`<parameter name>/<state>`, tensor) of the AdamW state, parameter by parameter."""
+        for name, param in self.model.named_parameters():
+            for state, tensor in self.optimizer.state.get(param, {}).items():
+                yield f"{name}/{state}", tensor
+
+    def load_checkpoint(self, directory: Path) -> dict:
+        if is_sharded(directory):
+            return load_sharded_checkpoint(self, directory)
+        raise ValueError(f"{directory} is a one-process checkpoint (model.safetensors + optimizer.pt); the "
+                         "sharded engine resumes from sharded ones only: resume it with resources.<role>.ranks=1")
+
+
+def load_sharded_checkpoint(engine: TrainingEngine, directory: Path) -> dict:
+    """Restore `engine` (sharded over any number of ranks, or one process) from a sharded checkpoint:
+    each whole tensor is assembled from the slices, then kept whole or re-sliced for this rank.
+    Returns the rest of the trainer state."""
+    index = read_index(directory)
+    model_state = read_whole(directory, "model/")
+    names = dict(engine.model.named_parameters())
+    missing = names.keys() - model_state.keys()
+    if missing:
+        raise ValueError(f"checkpoint {directory} does not match the model: missing {sorted(missing)[:5]}")
+    optim_state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in read_whole(directory, "optim/").items():
+        name, state = key.rsplit("/", 1)
+        optim_state.setdefault(name, {})[state] = tensor
+    groups = index["state"]["param_groups"]
+    if len(groups) != 1:
+        raise ValueError(f"{directory}: {len(groups)} optimizer parameter groups; rlx trainers use one")
+    group = {**groups[0], "betas": tuple(groups[0]["betas"]), "params": list(names)}
+    set_model_state_dict(engine.model, model_state, options=StateDictOptions(full_state_dict=True, strict=False))
+    set_optimizer_state_dict(engine.model, engine.optimizer, {"state": optim_state, "param_groups": [group]},
+                             options=StateDictOptions(full_state_dict=True))
+    engine.scheduler.load_state_dict(index["state"]["scheduler"])
+    state = json.loads((directory / "trainer_state.json").read_text())
+    engine.step = state.pop("step")
+    return state

@@ -1,0 +1,180 @@
+"""One trainer role (Actor, Critic) as a group of N rank processes that train one sharded model.
+
+`RankGroup` stands where the role would: the workers, colocate's loop and the Serve deployment call
+it as they call an `Actor` or a `Critic`. It places N Ray actors together (a STRICT_PACK placement
+group), each joins one torch.distributed process group (gloo on CPU, nccl on CUDA; rendezvous at
+rank 0's node address) and builds the role over a `ShardedTrainingEngine`. Every call then runs on
+every rank in lockstep, since each forward and backward gathers parameters collectively:
+
+- a micro-batch is split over the ranks by token count; a rank left without samples runs a stand-in
+  pass over one of them with its loss multiplied by zero (`counted=False`), so every rank runs the
+  same passes;
+- the step's metrics, token and sequence counts are summed over the ranks inside the role;
+- the published weights are gathered onto rank 0 and come back from it;
+- checkpoints: each rank writes its slices into the one staging folder this process opened.
+
+The group is one fault domain: a rank that dies fails the call, and with it the role, which then
+recovers as a single-process one does (its replica is replaced and the run resumes from the last
+checkpoint). The driver talks to the bus; the ranks only see the samples it hands them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlx.checkpoints import staged_checkpoint
+from rlx.data.sample import Sample
+
+START_TIMEOUT_S = 300.0
+
+
+def split_by_tokens(samples: list[Sample], ranks: int) -> list[list[int]]:
+    """Indices of `samples` for each rank: longest first onto the rank with the fewest tokens so
+    far (ties: the lower rank), each part in the original order. Deterministic."""
+    loads = [0] * ranks
+    parts: list[list[int]] = [[] for _ in range(ranks)]
+    by_length = sorted(range(len(samples)), key=lambda i: (-(len(samples[i].prompt_ids) + len(samples[i].response_ids)), i))
+    for i in by_length:
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        parts[rank].append(i)
+        loads[rank] += len(samples[i].prompt_ids) + len(samples[i].response_ids)
+    return [sorted(part) for part in parts]
+
+
+@ray.remote
+class RankProcess:
+    """One rank: joins the process group, builds the role, runs what the group asks of it."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.role = rank, world, None
+
+    def rendezvous(self) -> str:
+        """`host:port` for the group to meet at: this node's address and a port free on it now."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return f"{host}:{sock.getsockname()[1]}"
+
+    def start(self, address: str, backend: str, threads: int, build: Callable[[], Any]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if address.startswith("127."):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would otherwise pick the hostname's interface
+        torch.set_num_threads(threads)
+        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world)
+        self.role = build()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.role, method)(*args, **kwargs)
+
+    def get(self, attribute: str) -> Any:
+        return getattr(self.role, attribute)
+
+    def memory(self) -> dict[str, int]:
+        import psutil
+
+        return {**self.role.engine.tensor_bytes(), "rss": psutil.Process().memory_info().rss}
+
+
+class RankGroup:
+    """The role of `build` (run on each rank after it joined the group) over `ranks` processes."""
+
+    def __init__(self, build: Callable[[], Any], ranks: int, num_cpus: float, num_gpus: float, threads: int,
+                 name: str = "actor") -> None:
+        if ranks < 2:
+            raise ValueError(f"a rank group has 2 or more ranks, not {ranks}: build the role in-process instead")
+        self.name, self.ranks = name, ranks
+        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+        self._group = placement_group([bundle] * ranks, strategy="STRICT_PACK", name=f"rlx-{name}-ranks")
+        try:
+            ray.get(self._group.ready(), timeout=START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as late:
+            remove_placement_group(self._group)
+            raise RuntimeError(f"resources.{name}.ranks={ranks}: the cluster cannot place {ranks} ranks of "
+                               f"{bundle} together on one node; lower the ranks or the per-rank resources") from late
+        self._processes = [
+            RankProcess.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self._group, placement_group_bundle_index=rank)).remote(rank, ranks)
+            for rank in range(ranks)]
+        address = ray.get(self._processes[0].rendezvous.remote())
+        backend = "nccl" if num_gpus else "gloo"
+        ray.get([p.start.remote(address, backend, threads, build) for p in self._processes], timeout=START_TIMEOUT_S)
+        self._version = self._first("version")
+
+    # -- lockstep calls --------------------------------------------------------------------------
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return ray.get([p.call.remote(method, *args, **kwargs) for p in self._processes])
+
+    def _first(self, attribute: str) -> Any:
+        return ray.get(self._processes[0].get.remote(attribute))
+
+    def _spread(self, method: str, samples: list[Sample], counted: bool = False) -> tuple[list[list[int]], list[Any]]:
+        """`method(share)` on every rank over its share of `samples`; a rank whose share is empty
+        gets a stand-in (the first sample), passed with `counted=False` when `counted` is asked for,
+        and its result is dropped."""
+        parts = split_by_tokens(samples, self.ranks)
+        results = ray.get([
+            p.call.remote(method, [samples[i] for i in part] if part else samples[:1],
+                          **({"counted": bool(part)} if counted else {}))
+            for p, part in zip(self._processes, parts)])
+        return parts, results
+
+    # -- the role's interface (Trainable, Actor, Critic) -----------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def begin_step(self) -> None:
+        self._all("begin_step")
+
+    def accumulate(self, samples: list[Sample]) -> None:
+        self._spread("accumulate", samples, counted=True)
+
+    def finish_step(self) -> dict[str, float]:
+        metrics = self._all("finish_step")[0]
+        self._version = self._first("version")
+        return metrics
+
+    def values(self, samples: list[Sample]) -> list[list[float]]:
+        """The Critic's values, each rank valuing its share, back in the order of `samples`."""
+        parts, results = self._spread("values", samples)
+        out: list[list[float]] = [[] for _ in samples]
+        for part, rows in zip(parts, results):
+            for i, row in zip(part, rows):
+                out[i] = row
+        return out
+
+    def weights(self) -> dict:
+        return self._all("weights")[0]
+
+    def memory(self) -> list[dict[str, int]]:
+        """Per rank: bytes of its parameter, gradient and optimizer-state shards, and its RSS."""
+        return ray.get([p.memory.remote() for p in self._processes])
+
+    def save(self, directory: Path, state: dict, files: dict[str, bytes] | None = None) -> Path:
+        with staged_checkpoint(directory) as staging:
+            self._all("write", staging, state, files)
+        return directory
+
+    def write(self, folder: Path, state: dict, files: dict[str, bytes] | None = None) -> None:
+        self._all("write", folder, state, files)
+
+    def load(self, directory: Path) -> dict:
+        state = self._all("load", directory)[0]
+        self._version = self._first("version")
+        return state
+
+    def close(self) -> None:
+        """End the rank processes and free their placement."""
+        for process in self._processes:
+            ray.kill(process)
+        remove_placement_group(self._group)
