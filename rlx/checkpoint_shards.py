@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the CLI reads checkpoints without paying for torch's import until it must
+    import torch
 
 INDEX = "shards.json"
 FORMAT = 1
@@ -57,6 +59,7 @@ def read_whole(folder: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor whose key starts with `prefix`, whole: the ranks' slices concatenated in rank order
     (the prefix is stripped from the returned names). A missing shard or a slice that does not add up
     to the indexed shape is an error naming the file."""
+    import torch
     from safetensors import safe_open
 
     index = read_index(folder)

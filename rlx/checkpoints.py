@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlx.checkpoint_shards import is_sharded, read_whole
 from rlx.errors import UserError
 
 FORMAT = 2  # 1: the pickle `run_state.pkl` era, no marker
@@ -206,9 +207,15 @@ def export_checkpoint(source: Path, out: Path) -> list[str]:
         raise CheckpointError(f"{source} is not a complete checkpoint (no {MARKER}): a save cut short, or the old "
                               "format (`rlx convert-run <run_dir>` converts it); export another checkpoint")
     names = sorted(p.name for p in source.iterdir() if p.is_file() and exportable(p.name))
-    if not any(fnmatch.fnmatchcase(n, "model*.safetensors") for n in names):
+    sharded = is_sharded(source)
+    if not sharded and not any(fnmatch.fnmatchcase(n, "model*.safetensors") for n in names):
         raise CheckpointError(f"{source} has no model*.safetensors: it is not a checkpoint folder")
     out.mkdir(parents=True, exist_ok=True)
     for name in names:
         shutil.copy2(source / name, out / name)
+    if sharded:  # a rank group's checkpoint: the ranks' slices joined into whole tensors
+        from safetensors.torch import save_file
+
+        save_file(read_whole(source, "model/"), out / "model.safetensors", metadata={"format": "pt"})
+        names = sorted([*names, "model.safetensors"])
     return names

@@ -79,13 +79,14 @@ def _models(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     """Only the allowlisted model files (`rlx.checkpoints.EXPORT_PATTERNS`): never optimizer state,
     run state, prompts or responses."""
+    from rlx.checkpoint_shards import is_sharded
     from rlx.checkpoints import export_checkpoint
     from rlx.orchestration.run_dir import latest_checkpoint
 
     source = Path(args.checkpoint)
     if not source.is_dir():
         raise UserError(f"{source} does not exist or is not a folder: give a checkpoint folder or a run directory")
-    if not any(source.glob("model*.safetensors")):
+    if not any(source.glob("model*.safetensors")) and not is_sharded(source):
         source = latest_checkpoint(source) or source
     names = export_checkpoint(source, Path(args.out))
     print(f"exported {source} -> {args.out}: {', '.join(names)}")
@@ -105,6 +106,10 @@ def _eval(args: argparse.Namespace) -> int:
     """Greedy held-out evaluation of a run's latest checkpoint (or its initial model with --initial)."""
     import json
 
+    import tempfile
+
+    from rlx.checkpoint_shards import is_sharded
+    from rlx.checkpoints import export_checkpoint
     from rlx.data import load_splits
     from rlx.models import resolve_model_path
     from rlx.orchestration.builder import build_reward_role, build_rollout, prompt_encoder, sampling_params
@@ -116,11 +121,14 @@ def _eval(args: argparse.Namespace) -> int:
     checkpoint = None if args.initial else latest_checkpoint(run_dir)
     if checkpoint is None and not args.initial:
         raise ConfigError(f"{run_dir} has no checkpoint to evaluate")
-    path = checkpoint or resolve_model_path(config.model.path)
-    rollout = build_rollout(config, Path(path))
-    rows = load_splits(config.data)[1]
-    metrics = evaluate(rollout, build_reward_role(config), rows, prompt_encoder(config, rollout.tokenizer),
-                       sampling_params(config, seed=0, greedy=True))
+    path = Path(checkpoint or resolve_model_path(config.model.path))
+    with tempfile.TemporaryDirectory(prefix="rlx-eval-") as joined:
+        if is_sharded(path):  # a rank group's slices, joined into a model folder first
+            export_checkpoint(path, Path(joined))
+        rollout = build_rollout(config, Path(joined) if is_sharded(path) else path)
+        rows = load_splits(config.data)[1]
+        metrics = evaluate(rollout, build_reward_role(config), rows, prompt_encoder(config, rollout.tokenizer),
+                           sampling_params(config, seed=0, greedy=True))
     print(json.dumps({"model": str(path), "eval_size": len(rows), **metrics}, indent=2))
     return 0
 

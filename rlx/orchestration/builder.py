@@ -205,9 +205,9 @@ class Components:
     rollout: Rollout
     reward: Reward | GenRM
     advantages: Advantages
-    actor: Actor
+    actor: Actor | RankGroup
     reference: Reference | None
-    critic: Critic | None
+    critic: Critic | RankGroup | None
     teacher: Reference | None
     prompts: PromptSource
     eval_rows: list[PromptRow]
@@ -217,6 +217,12 @@ class Components:
 
     def sampling(self, seed: int | None, greedy: bool = False) -> SamplingParams:
         return sampling_params(self.config, seed, greedy)
+
+    def close(self) -> None:
+        """End the trainers' rank processes, if they have any (a Serve replica's end with its owner)."""
+        for role in (self.actor, self.critic):
+            if hasattr(role, "close"):
+                role.close()
 
     def sync_weights(self) -> None:
         """Colocated weight hand-off: copy the trainer's weights into the generation engine (and

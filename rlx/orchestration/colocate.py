@@ -159,5 +159,6 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
         writer.close()
         for worker in set(workers.by_task.values()):
             worker.stop()  # releases what each holds (the Reward's process pool)
+        c.close()
     plot_run(run_dir)
     return run_dir

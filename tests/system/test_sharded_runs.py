@@ -1,0 +1,53 @@
+"""Whole runs with the Actor over 2 FSDP2 ranks: colocated (learns, resumes from its sharded
+checkpoint, exports a folder transformers loads) and async (the Actor service owns the rank group)."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+from rlx.checkpoint_shards import INDEX, read_whole, shard_name
+from rlx.checkpoints import export_checkpoint
+from rlx.obs.metrics import read_metrics
+from rlx.orchestration.async_run import run_async
+from rlx.orchestration.colocate import run_colocate
+from tests.integration.test_colocate_loop import toy_config
+
+TWO_RANKS = {"ranks": 2, "num_cpus": 0.5}
+
+
+@pytest.mark.slow
+def test_colocated_run_on_two_ranks_learns_resumes_and_exports(tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = toy_config(tiny_path, tmp_path, resources__actor=TWO_RANKS, train__steps=20, train__checkpoint_every=10)
+    run_dir = run_colocate(config, echo=lambda _: None)
+    evals = [r["eval_accuracy"] for r in read_metrics(run_dir) if "eval_accuracy" in r]
+    assert evals[-1] > evals[0] + 0.3, evals  # as the one-process run of the same task
+    checkpoint = run_dir / "checkpoints" / "step_000020"
+    assert (checkpoint / INDEX).is_file() and (checkpoint / shard_name(1, 2)).is_file()
+    assert not (checkpoint / "model.safetensors").exists()  # no rank wrote the whole model
+
+    resumed = toy_config(tiny_path, tmp_path, resources__actor=TWO_RANKS, train__steps=22)
+    run_colocate(resumed, resume=True, echo=lambda _: None)
+    steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+    assert steps == list(range(1, 23))  # 20, then 2 more from the checkpoint
+
+    exported = export_checkpoint(run_dir / "checkpoints" / "step_000022", tmp_path / "export")
+    assert "model.safetensors" in exported and "config.json" in exported
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    whole = read_whole(run_dir / "checkpoints" / "step_000022", "model/")
+    assert torch.equal(model.state_dict()["model.layers.0.mlp.up_proj.weight"], whole["model.layers.0.mlp.up_proj.weight"])
+    assert not [p for p in psutil.process_iter(["name"]) if "RankProcess" in (p.info["name"] or "")]
+
+
+@pytest.mark.slow
+def test_async_run_with_the_actor_on_two_ranks(tiny_path, tmp_path):
+    config = toy_config(tiny_path, tmp_path, train__steps=4, train__mode="async", train__max_staleness=1,
+                        rollout__prompts_per_step=2, resources__actor=TWO_RANKS)
+    run_dir = run_async(config, echo=lambda _: None)
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records if "reward_mean" in r] == [1, 2, 3, 4]
+    assert records[-1]["eval_weight_version"] == 4  # the engines got every published version
+    assert (run_dir / "checkpoints" / "step_000004" / shard_name(0, 2)).is_file()
