@@ -185,6 +185,11 @@ def _bench(args: argparse.Namespace) -> int:
                                           cells=parse_cells(args.cells))
         table = format_table(results)
         command = f"rlx bench staleness --steps {args.steps} --eval-size {args.eval_size} --work-dir {args.work_dir}"
+    elif args.what == "shards":
+        from rlx.bench.shards import format_table, run_shards_benchmark
+
+        table = format_table(run_shards_benchmark())
+        command = "rlx bench shards"
     elif args.what == "r3":
         from rlx.bench.r3 import format_table, run_r3_benchmark
 
@@ -249,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side; results go to docs/benchmarks.md")
     bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms", "staleness", "agentic",
-                                          "r3"])
+                                          "r3", "shards"])
     bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline, agentic) or per run "
                        "(algorithms, staleness: the same sample budget for every run)")
     bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus, weights, r3)")

@@ -80,9 +80,12 @@ class RankProcess:
         return getattr(self.role, attribute)
 
     def memory(self) -> dict[str, int]:
+        import resource
+
         import psutil
 
-        return {**self.role.engine.tensor_bytes(), "rss": psutil.Process().memory_info().rss}
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return {**self.role.engine.tensor_bytes(), "rss": psutil.Process().memory_info().rss, "peak_rss": peak}
 
 
 class RankGroup:
@@ -90,8 +93,8 @@ class RankGroup:
 
     def __init__(self, build: Callable[[], Any], ranks: int, num_cpus: float, num_gpus: float, threads: int,
                  name: str = "actor") -> None:
-        if ranks < 2:
-            raise ValueError(f"a rank group has 2 or more ranks, not {ranks}: build the role in-process instead")
+        if ranks < 1:
+            raise ValueError(f"a rank group needs at least 1 rank, not {ranks}")
         self.name, self.ranks = name, ranks
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
         self._group = placement_group([bundle] * ranks, strategy="STRICT_PACK", name=f"rlx-{name}-ranks")
@@ -157,7 +160,7 @@ class RankGroup:
         return self._all("weights")[0]
 
     def memory(self) -> list[dict[str, int]]:
-        """Per rank: bytes of its parameter, gradient and optimizer-state shards, and its RSS."""
+        """Per rank: bytes of its parameter, gradient and optimizer-state shards, its RSS and peak RSS."""
         return ray.get([p.memory.remote() for p in self._processes])
 
     def save(self, directory: Path, state: dict, files: dict[str, bytes] | None = None) -> Path:

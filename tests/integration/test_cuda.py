@@ -148,3 +148,34 @@ def test_routes_recorded_by_a_bf16_gpu_engine_replay_in_an_fp32_gpu_trainer(tmp_
     mask = batch.response_mask
     gap = lambda lp: float(((lp.cpu() - rollout).abs() * mask).sum() / mask.sum())  # noqa: E731
     assert gap(replayed) <= gap(free)
+
+
+def test_the_sharded_actor_over_nccl_equals_the_one_process_actor(tiny_path, tmp_path):
+    """The FSDP2 engine with nccl on as many GPUs as there are, up to 2 (one GPU: a 1-rank group,
+    which still runs every collective through nccl), against the one-process Actor on the GPU."""
+    import functools
+
+    from rlx.orchestration.builder import build_actor_rank
+    from rlx.orchestration.cluster import start_ray, stop_ray
+    from rlx.orchestration.rank_group import RankGroup
+    from tests.integration.test_colocate_loop import toy_config
+    from tests.integration.test_sharded_trainer import TOLERANCE, batch, max_difference, train_one_step
+
+    ranks = min(2, torch.cuda.device_count())
+    config = toy_config(tiny_path, tmp_path, train__lr=1e-2, train__micro_batch_size=3, resources__device="cuda",
+                        resources__actor={"ranks": ranks, "num_gpus": 1})
+    start_ray(num_cpus=8)
+    try:
+        single = build_actor_rank(config, tiny_path)
+        group = RankGroup(functools.partial(build_actor_rank, config, tiny_path), ranks, num_cpus=0.5, num_gpus=1,
+                          threads=1)
+        try:
+            expected = train_one_step(single, batch(), 3)
+            got = train_one_step(group, batch(), 3)
+            assert got["loss"] == pytest.approx(expected["loss"], abs=1e-4)
+            trained = {k: v.cpu() for k, v in single.weights().items()}
+            assert max_difference(trained, group.weights()) < 10 * TOLERANCE  # GPU kernels differ in order
+        finally:
+            group.close()
+    finally:
+        stop_ray()
