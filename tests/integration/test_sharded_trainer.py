@@ -8,10 +8,13 @@ sharded checkpoint must resume onto 1 or 2 ranks.
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from rlx.checkpoint_shards import INDEX, shard_name
 from rlx.data.sample import Sample
@@ -147,3 +150,25 @@ def test_critic_step_does_not_depend_on_micro_batching(tiny_path, tmp_path):
         train_one_step(critic, samples, micro_batch_size)
         weights.append(critic.weights())
     assert max_difference(*weights) < TOLERANCE
+
+
+def test_tied_embeddings_save_once_and_resume(ray_cluster, tiny_path, tmp_path):
+    """SmolLM2 ties its output layer to its embeddings: one tensor under two names, written once."""
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_path, tied)
+    settings = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**settings, "tie_word_embeddings": True}))
+    weights = load_file(tied / "model.safetensors")
+    del weights["lm_head.weight"]  # tied: the embeddings serve as the output layer
+    save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
+    group = build_actor(config_for(tied, tmp_path, 2), tied)
+    try:
+        train_one_step(group, batch(), 3)
+        folder = group.save(tmp_path / "ckpt", {})
+        trained = group.weights()
+    finally:
+        group.close()
+    assert torch.equal(trained["lm_head.weight"], trained["model.embed_tokens.weight"])
+    resumed = build_actor_rank(config_for(tied, tmp_path, 1), tied)
+    resumed.load(folder)
+    assert max_difference(resumed.weights(), trained) == 0.0

@@ -119,8 +119,12 @@ class ShardedTrainingEngine(TrainingEngine):
     def write_checkpoint(self, folder: Path, extra_state: dict, extra_files: dict[str, bytes] | None = None) -> None:
         """Each rank writes its slices; rank 0 then the index, the model's config and tokenizer, the
         trainer state and `extra_files`. Every rank must call it, with the same `folder`."""
+        # a tied weight (lm_head = embeddings) is one parameter with two state-dict names: saved once,
+        # under the name named_parameters gives it, on every rank alike
+        own_names = {name for name, _ in self.model.named_parameters()} | {name for name, _ in self.model.named_buffers()}
+        model_state = [(name, t) for name, t in self.model.state_dict().items() if name in own_names]
         tensors, shapes = {}, {}
-        for prefix, named in (("model/", self.model.state_dict().items()), ("optim/", self._optimizer_tensors())):
+        for prefix, named in (("model/", model_state), ("optim/", self._optimizer_tensors())):
             for name, tensor in named:
                 key = prefix + name
                 shapes[key] = list(tensor.shape)
