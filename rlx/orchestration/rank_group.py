@@ -49,6 +49,10 @@ def split_by_tokens(samples: list[Sample], ranks: int) -> list[list[int]]:
     return [sorted(part) for part in parts]
 
 
+class RankLost(RuntimeError):
+    """A rank process of the group died: the group (and the role) cannot go on."""
+
+
 @ray.remote
 class RankProcess:
     """One rank: joins the process group, builds the role, runs what the group asks of it."""
@@ -96,8 +100,9 @@ class RankGroup:
         if ranks < 1:
             raise ValueError(f"a rank group needs at least 1 rank, not {ranks}")
         self.name, self.ranks = name, ranks
+        self.on_rank_lost: Callable[[], None] | None = None
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-        self._group = placement_group([bundle] * ranks, strategy="STRICT_PACK", name=f"rlx-{name}-ranks")
+        self._group = placement_group([bundle] * ranks, strategy="STRICT_PACK")  # unnamed: a replacement replica makes its own
         try:
             ray.get(self._group.ready(), timeout=START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError as late:
@@ -114,18 +119,29 @@ class RankGroup:
         self._version = self._first("version")
 
     # -- lockstep calls --------------------------------------------------------------------------
+    def _get(self, refs):
+        """`ray.get`, where a dead rank is the loss of the whole group: `on_rank_lost` runs (the
+        Actor's service ends its replica there, so the role recovers as a crashed one does), else
+        RankLost is raised."""
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as lost:
+            if self.on_rank_lost is not None:
+                self.on_rank_lost()
+            raise RankLost(f"a rank of the {self.name}'s group died: {lost}") from lost
+
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return ray.get([p.call.remote(method, *args, **kwargs) for p in self._processes])
+        return self._get([p.call.remote(method, *args, **kwargs) for p in self._processes])
 
     def _first(self, attribute: str) -> Any:
-        return ray.get(self._processes[0].get.remote(attribute))
+        return self._get(self._processes[0].get.remote(attribute))
 
     def _spread(self, method: str, samples: list[Sample], counted: bool = False) -> tuple[list[list[int]], list[Any]]:
         """`method(share)` on every rank over its share of `samples`; a rank whose share is empty
         gets a stand-in (the first sample), passed with `counted=False` when `counted` is asked for,
         and its result is dropped."""
         parts = split_by_tokens(samples, self.ranks)
-        results = ray.get([
+        results = self._get([
             p.call.remote(method, [samples[i] for i in part] if part else samples[:1],
                           **({"counted": bool(part)} if counted else {}))
             for p, part in zip(self._processes, parts)])

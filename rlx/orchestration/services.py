@@ -10,6 +10,7 @@ HealthManager can hand a dead replica's unfinished rows back.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -87,8 +88,17 @@ def _rollout(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
                       lambda state, version: rollout.load_weights(state, version, shared=True))
 
 
+def _exit_with_a_lost_rank(role) -> None:
+    """A trainer's rank group is one fault domain with its replica: when a rank dies the replica
+    exits as a crashed one would, Serve replaces it, and the HealthManager recovers the role from
+    its last checkpoint (a worker that merely raised would stop the run instead)."""
+    if hasattr(role, "on_rank_lost"):
+        role.on_rank_lost = lambda: os._exit(1)
+
+
 def _actor(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     actor, publisher = build_actor(cfg, model_path(cfg)), shared.weights.publisher(refill=True)
+    _exit_with_a_lost_rank(actor)
     checkpoints = Checkpointing(run_dir_of(shared), cfg.train.checkpoint_every,
                                 capture=lambda: capture_run_state(shared.bus, shared.prompts))
     worker = actor_worker(cfg, plan, actor, shared.bus,
@@ -109,6 +119,7 @@ def _critic(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     """The Critic holds the value model's optimizer state: a replacement after a loss starts from
     the Critic's own newest checkpoint (a value model a few steps old; the policy is unaffected)."""
     critic = build_critic(cfg)
+    _exit_with_a_lost_rank(critic)
     checkpoints = Checkpointing(run_dir_of(shared), cfg.train.checkpoint_every)
     worker = critic_worker(cfg, plan, critic, shared.bus, checkpoints)
     checkpoint = latest_checkpoint(Path(shared.run_dir), "critic", resuming=True) if shared.run_dir else None

@@ -3,6 +3,9 @@ checkpoint, exports a folder transformers loads) and async (the Actor service ow
 
 from __future__ import annotations
 
+import threading
+import time
+
 import psutil
 import pytest
 import torch
@@ -51,3 +54,30 @@ def test_async_run_with_the_actor_on_two_ranks(tiny_path, tmp_path):
     assert [r["step"] for r in records if "reward_mean" in r] == [1, 2, 3, 4]
     assert records[-1]["eval_weight_version"] == 4  # the engines got every published version
     assert (run_dir / "checkpoints" / "step_000004" / shard_name(0, 2)).is_file()
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_its_group_and_the_actor_recovers_globally(tiny_path, tmp_path):
+    """One fault domain: a rank process killed mid-run (SIGKILL, a real process death) fails the
+    Actor's next call; its replica is replaced, builds a new group and resumes from the last
+    sharded checkpoint, and the run completes with nothing trained twice."""
+    from tests.system.test_fault_tolerance import paced_async_config, recovered_globally
+
+    config = paced_async_config(tiny_path, tmp_path, train__checkpoint_every=4, resources__actor=TWO_RANKS)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    killed: list[int] = []
+
+    def kill_a_rank_after_step_6() -> None:
+        while not killed:
+            steps = [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] if metrics.exists() else []
+            ranks = [p for p in psutil.process_iter(["cmdline"]) if "RankProcess" in " ".join(p.info["cmdline"] or [])]
+            if steps and max(steps) >= 6 and ranks:
+                ranks[-1].kill()
+                killed.append(ranks[-1].pid)
+            time.sleep(0.2)
+
+    threading.Thread(target=kill_a_rank_after_step_6, daemon=True).start()
+    run_dir = run_async(config, echo=print)
+    assert killed
+    health, _ = recovered_globally(run_dir, "actor")
+    assert health["weights"]["rollbacks"][0][1] in (4, 8)  # back to a sharded checkpoint
