@@ -12,6 +12,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+import ray
 from tqdm import tqdm
 
 from rlx.bus import LocalBus
@@ -19,6 +20,7 @@ from rlx.checkpoints import staged_checkpoint
 from rlx.config import RunConfig
 from rlx.obs import Alerts, MetricsWriter, plot_run
 from rlx.orchestration.builder import Workers, build_components, build_workers
+from rlx.orchestration.cluster import stop_ray
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.run_dir import checkpoint_path, latest_checkpoint, prepare_run_dir
 
@@ -96,6 +98,7 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
                     alerts: Alerts) -> Path:
     run_dir = prepare_run_dir(config, resume, overwrite)
     started = time.perf_counter()
+    ray_was_running = ray.is_initialized()
     c = build_components(config)
     # Colocated: generation starts a step's groups only after the previous step trained (staleness 0),
     # and weights are copied into the generation engine right after each optimizer step.
@@ -160,5 +163,7 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
         for worker in set(workers.by_task.values()):
             worker.stop()  # releases what each holds (the Reward's process pool)
         c.close()
+        if not ray_was_running:
+            stop_ray()  # the local cluster the trainers' rank groups started, if any
     plot_run(run_dir)
     return run_dir

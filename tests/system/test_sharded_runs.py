@@ -43,6 +43,7 @@ def test_colocated_run_on_two_ranks_learns_resumes_and_exports(tiny_path, tmp_pa
     whole = read_whole(run_dir / "checkpoints" / "step_000022", "model/")
     assert torch.equal(model.state_dict()["model.layers.0.mlp.up_proj.weight"], whole["model.layers.0.mlp.up_proj.weight"])
     assert not [p for p in psutil.process_iter(["name"]) if "RankProcess" in (p.info["name"] or "")]
+    assert not psutil.Process().children()  # the local Ray cluster the run started is gone too
 
 
 @pytest.mark.slow
