@@ -123,9 +123,11 @@ def _eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"{run_dir} has no checkpoint to evaluate")
     path = Path(checkpoint or resolve_model_path(config.model.path))
     with tempfile.TemporaryDirectory(prefix="rlx-eval-") as joined:
+        folder = path
         if is_sharded(path):  # a rank group's slices, joined into a model folder first
-            export_checkpoint(path, Path(joined))
-        rollout = build_rollout(config, Path(joined) if is_sharded(path) else path)
+            folder = Path(joined)
+            export_checkpoint(path, folder)
+        rollout = build_rollout(config, folder)
         rows = load_splits(config.data)[1]
         metrics = evaluate(rollout, build_reward_role(config), rows, prompt_encoder(config, rollout.tokenizer),
                            sampling_params(config, seed=0, greedy=True))

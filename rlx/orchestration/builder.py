@@ -19,7 +19,6 @@ from rlx.data import PromptRow, PromptStream, load_splits
 from rlx.data.prompts import encode_prompt
 from rlx.engines.generation import EngineSpec, SamplingParams, build_generation_engine
 from rlx.engines.training import TrainingEngine
-from rlx.engines.training.fsdp import ShardedTrainingEngine
 from rlx.engines.training.forward import token_values
 from rlx.errors import ConfigError
 from rlx.models import load_pretrained, load_tokenizer, load_value_model, resolve_model_path
@@ -115,9 +114,8 @@ def build_critic_rank(config: RunConfig) -> Critic:
     path = resolve_model_path(config.critic.path or config.model.path)
     tokenizer = load_tokenizer(path)
     train = config.train.model_copy(update={"lr": config.critic.lr, "grad_clip": config.critic.grad_clip})
-    engine_class = ShardedTrainingEngine if torch.distributed.is_initialized() else TrainingEngine
-    engine = engine_class(load_value_model(path, config.resources.device), tokenizer, train,
-                          config.rollout.temperature, forward=token_values)
+    engine = training_engine_class()(load_value_model(path, config.resources.device), tokenizer, train,
+                                     config.rollout.temperature, forward=token_values)
     return Critic(engine, tokenizer.pad_token_id, config.critic.value_clip)
 
 
@@ -150,13 +148,20 @@ def build_actor(config: RunConfig, path: Path) -> Actor | RankGroup:
 def build_actor_rank(config: RunConfig, path: Path) -> Actor:
     """The Actor of this process: sharded when it is a rank of a process group."""
     model, tokenizer = load_policy(config, path, "float32")
-    if torch.distributed.is_initialized():
-        engine = ShardedTrainingEngine(model, tokenizer, config.train, config.rollout.temperature)
-    else:
+    if not torch.distributed.is_initialized():
         # parameters in publish-ready buckets: each DCS publish is then one copy per bucket, no packing
         flatten_parameters(model, int(config.weights.bucket_mb * (1 << 20)))
-        engine = TrainingEngine(model, tokenizer, config.train, config.rollout.temperature)
+    engine = training_engine_class()(model, tokenizer, config.train, config.rollout.temperature)
     return Actor(engine, config.algorithm, tokenizer.pad_token_id)
+
+
+def training_engine_class() -> type[TrainingEngine]:
+    """The FSDP2 engine on a rank of a process group (imported only there), else the one-process one."""
+    if torch.distributed.is_initialized():
+        from rlx.engines.training.fsdp import ShardedTrainingEngine
+
+        return ShardedTrainingEngine
+    return TrainingEngine
 
 
 def rank_group(config: RunConfig, role: str, build: Callable[[], Actor | Critic]) -> RankGroup:

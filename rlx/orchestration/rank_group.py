@@ -177,7 +177,7 @@ class RankGroup:
 
     def memory(self) -> list[dict[str, int]]:
         """Per rank: bytes of its parameter, gradient and optimizer-state shards, its RSS and peak RSS."""
-        return ray.get([p.memory.remote() for p in self._processes])
+        return self._get([p.memory.remote() for p in self._processes])
 
     def save(self, directory: Path, state: dict, files: dict[str, bytes] | None = None) -> Path:
         with staged_checkpoint(directory) as staging:

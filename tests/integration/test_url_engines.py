@@ -90,7 +90,7 @@ class NotSGLang(BaseHTTPRequestHandler):
         self.wfile.write(b"not found")
 
     def log_message(self, *args: object) -> None:
-        pass
+        """Silent: the base class would print every request to stderr."""
 
 
 @pytest.fixture()

@@ -106,16 +106,6 @@ class ShardedTrainingEngine(TrainingEngine):
         return an empty dict): every rank must call it."""
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def export(self, directory: Path) -> Path:
-        """A Hugging Face folder, written by rank 0 from the gathered weights; every rank must call it."""
-        whole = self.weights()
-        if self.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(directory, state_dict=whole)
-            self.tokenizer.save_pretrained(directory)
-        dist.barrier()
-        return directory
-
     def write_checkpoint(self, folder: Path, extra_state: dict, extra_files: dict[str, bytes] | None = None) -> None:
         """Each rank writes its slices; rank 0 then the index, the model's config and tokenizer, the
         trainer state and `extra_files`. Every rank must call it, with the same `folder`."""
