@@ -10,7 +10,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import torch
 
@@ -293,6 +293,17 @@ class Workers:
     @property
     def critic(self) -> CriticWorker | None:
         return self.by_task.get("critic")
+
+    def stop(self) -> None:
+        """Stop every worker once and release what each holds (the Reward's process pool)."""
+        for worker in set(self.by_task.values()):
+            worker.stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
 
 def staleness_gate(config: RunConfig, max_staleness: int) -> StalenessGate:

@@ -118,8 +118,8 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
         c.prompts.stream.position = state["data_position"]
         c.sync_weights()
         echo(f"resumed from {checkpoint} at step {step} (data position {c.prompts.stream.position})")
-    writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard,
-                           echo=tqdm.write if config.logging.progress_bar else echo)
+    writer = MetricsWriter.for_run(run_dir, config,
+                                   echo=tqdm.write if config.logging.progress_bar else echo)
 
     def save() -> None:
         state = {"loop_step": step, "data_position": c.prompts.stream.position, "totals": dict(totals)}
@@ -160,8 +160,7 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
     finally:
         bar.close()
         writer.close()
-        for worker in set(workers.by_task.values()):
-            worker.stop()  # releases what each holds (the Reward's process pool)
+        workers.stop()
         c.close()
         if not ray_was_running:
             stop_ray()  # the local cluster the trainers' rank groups started, if any

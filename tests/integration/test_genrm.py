@@ -29,21 +29,21 @@ def test_rewards_are_the_judges_verdicts(tiny_path, tmp_path):
     config = judge_config(tiny_path, tmp_path)
     c = build_components(config)
     bus = LocalBus()
-    workers = build_workers(c, bus, sync_weights=lambda: None, publish=c.sync_weights, max_staleness=0)
-    workers.rollout.generate(2)
-    workers.reward.drain()
-    rows, values = bus.get("check", ["response_text", "prompt_text", "label", "reward", "reward_error"], 16)
-    judge = build_genrm(config)  # an independent copy of the judge: greedy, so it must agree
-    from rlx.data.sample import Sample
+    with build_workers(c, bus, sync_weights=lambda: None, publish=c.sync_weights, max_staleness=0) as workers:
+        workers.rollout.generate(2)
+        workers.reward.drain()
+        rows, values = bus.get("check", ["response_text", "prompt_text", "label", "reward", "reward_error"], 16)
+        judge = build_genrm(config)  # an independent copy of the judge: greedy, so it must agree
+        from rlx.data.sample import Sample
 
-    for i in range(len(rows)):
-        sample = Sample(uid=i, group_id=0, prompt_text=values["prompt_text"][i],
-                        response_text=values["response_text"][i], label=values["label"][i])
-        result = judge.engine.generate([GenerationRequest(0, judge.judge_prompt(sample))], judge.params)[0]
-        verdict = judge.tokenizer.decode(result.response_ids, skip_special_tokens=True)
-        assert values["reward_error"][i] is None
-        assert values["reward"][i] == pytest.approx(judge_length(verdict, 8.0))
-        assert values["prompt_text"][i].startswith("say a ")  # the judge sees the user's question
+        for i in range(len(rows)):
+            sample = Sample(uid=i, group_id=0, prompt_text=values["prompt_text"][i],
+                            response_text=values["response_text"][i], label=values["label"][i])
+            result = judge.engine.generate([GenerationRequest(0, judge.judge_prompt(sample))], judge.params)[0]
+            verdict = judge.tokenizer.decode(result.response_ids, skip_special_tokens=True)
+            assert values["reward_error"][i] is None
+            assert values["reward"][i] == pytest.approx(judge_length(verdict, 8.0))
+            assert values["prompt_text"][i].startswith("say a ")  # the judge sees the user's question
 
 
 def test_a_run_whose_reward_comes_from_the_judge(tiny_path, tmp_path):

@@ -57,22 +57,22 @@ def test_a_colocated_step_with_a_nan_advantage_loads_no_nan_into_the_rollout(tin
     config = toy_config(tiny_path, tmp_path, algorithm__filter_zero_std_groups=False, train__ppo_epochs=epochs,
                         train__mini_batches=epochs)
     c = build_components(config)
-    workers = build_workers(c, LocalBus(), sync_weights=lambda: None, publish=c.sync_weights, max_staleness=0)
-    compute = c.advantages.compute
+    with build_workers(c, LocalBus(), sync_weights=lambda: None, publish=c.sync_weights, max_staleness=0) as workers:
+        compute = c.advantages.compute
 
-    def compute_then_poison(samples):
-        result = compute(samples)
-        samples[0].advantage = math.nan  # the injected fault
-        return result
+        def compute_then_poison(samples):
+            result = compute(samples)
+            samples[0].advantage = math.nan  # the injected fault
+            return result
 
-    c.advantages.compute = compute_then_poison
-    engine = c.rollout.engine
-    before = {name: t.clone() for name, t in engine.model.state_dict().items()}
-    metrics = train_one_step(workers, config)
-    assert metrics["nonfinite_skipped"] == epochs, "the poisoned (mini-)batch's update, once per epoch"
-    assert metrics["optimizer_updates"] == epochs * epochs - epochs
-    assert engine.weight_version == 1, "the step's version was loaded"
-    actor = c.actor.weights()
-    for name, tensor in engine.model.state_dict().items():
-        assert torch.isfinite(tensor).all() and torch.equal(tensor, actor[name]), name
-        assert torch.equal(tensor, before[name]) == (epochs == 1), f"{name}: only the clean mini-batch trains"
+        c.advantages.compute = compute_then_poison
+        engine = c.rollout.engine
+        before = {name: t.clone() for name, t in engine.model.state_dict().items()}
+        metrics = train_one_step(workers, config)
+        assert metrics["nonfinite_skipped"] == epochs, "the poisoned (mini-)batch's update, once per epoch"
+        assert metrics["optimizer_updates"] == epochs * epochs - epochs
+        assert engine.weight_version == 1, "the step's version was loaded"
+        actor = c.actor.weights()
+        for name, tensor in engine.model.state_dict().items():
+            assert torch.isfinite(tensor).all() and torch.equal(tensor, actor[name]), name
+            assert torch.equal(tensor, before[name]) == (epochs == 1), f"{name}: only the clean mini-batch trains"

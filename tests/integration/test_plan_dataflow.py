@@ -17,30 +17,26 @@ def one_step(config, *, threaded: bool, mask_after_first: bool = False):
     torch.manual_seed(0)
     c = build_components(config)
     bus = LocalBus()
-    workers = build_workers(c, bus, sync_weights=lambda: None, publish=lambda: None, max_staleness=0)
-    if mask_after_first:  # a rollout that trains only the first token of each response
-        generate = c.rollout.generate
+    with build_workers(c, bus, sync_weights=lambda: None, publish=lambda: None, max_staleness=0) as workers:
+        if mask_after_first:  # a rollout that trains only the first token of each response
+            generate = c.rollout.generate
 
-        def masked(*args, **kwargs):
-            for sample in generate(*args, **kwargs):
-                sample.loss_mask = [1.0] + [0.0] * (len(sample.response_ids) - 1)
-                yield sample
+            def masked(*args, **kwargs):
+                for sample in generate(*args, **kwargs):
+                    sample.loss_mask = [1.0] + [0.0] * (len(sample.response_ids) - 1)
+                    yield sample
 
-        c.rollout.generate = masked
-    rows = workers.rollout.generate(config.rollout.prompts_per_step)
-    scorers = [workers.by_task[task] for task in c.plan.phase_order if task != "train"]
-    if threaded:
-        for worker in scorers:
-            worker.run_forever()
-        try:
-            metrics = workers.actor.train_step()
-        finally:
+            c.rollout.generate = masked
+        rows = workers.rollout.generate(config.rollout.prompts_per_step)
+        scorers = [workers.by_task[task] for task in c.plan.phase_order if task != "train"]
+        if threaded:
             for worker in scorers:
-                worker.stop()
-    else:
-        for worker in scorers:
-            worker.drain()
-        metrics = workers.actor.train_step(rows)
+                worker.run_forever()
+            metrics = workers.actor.train_step()
+        else:
+            for worker in scorers:
+                worker.drain()
+            metrics = workers.actor.train_step(rows)
     return metrics, {name: p.detach().clone() for name, p in c.actor.engine.model.named_parameters()}
 
 

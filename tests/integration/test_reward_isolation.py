@@ -40,22 +40,12 @@ def _reward(fn: str, pool: RewardPool, scope: str = "sample") -> Reward:
     return reward
 
 
-def _is_reward_process(process: psutil.Process) -> bool:
-    return "rlx.rewards.pool_process" in " ".join(process.cmdline())
-
-
 @pytest.fixture
-def others() -> set[int]:
-    """This process's children that are no reward process when the test starts: a Ray cluster an
-    earlier test stopped may still be exiting, and its processes may turn zombie during the test."""
-    found = set()
-    for child in psutil.Process().children():
-        try:
-            if not _is_reward_process(child):
-                found.add(child.pid)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            found.add(child.pid)
-    return found
+def others(pool) -> set[int]:
+    """This process's children that are not this pool's workers when the test starts: a Ray cluster
+    an earlier test stopped may still be exiting, or an earlier test's pool may not be closed yet.
+    What each test here asserts is that it leaves nothing of its own behind."""
+    return {child.pid for child in psutil.Process().children()} - set(pool.pids())
 
 
 def _assert_only_pool_children(pool: RewardPool, others: set[int]) -> None:

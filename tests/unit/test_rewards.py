@@ -108,6 +108,7 @@ def test_math_verify_scores_off_the_main_thread():
     from rlx.data.sample import Sample
     from rlx.roles import Reward
 
+    earlier = {child.pid for child in psutil.Process().children()}  # an earlier test's Ray may still be exiting
     reward = Reward(build_reward("math_verify", "boxed"), timeout_s=30)
     samples = [Sample(uid=0, group_id=0, response_text="so \\boxed{\\frac{1}{2}}", label="1/2"),
                Sample(uid=1, group_id=0, response_text="\\boxed{0.3}", label="1/2")]
@@ -124,7 +125,7 @@ def test_math_verify_scores_off_the_main_thread():
         assert in_thread == [RewardOutcome(1.0)]
     finally:
         reward.close()
-    assert not psutil.Process().children()
+    assert {child.pid for child in psutil.Process().children()} <= earlier, "the reward pool left a process"
 
 
 def test_math_verify():
