@@ -10,7 +10,8 @@ every rank in lockstep, since each forward and backward gathers parameters colle
   pass over one of them with its loss multiplied by zero (`counted=False`), so every rank runs the
   same passes;
 - the step's metrics, token and sequence counts are summed over the ranks inside the role;
-- the published weights are gathered onto rank 0 and come back from it;
+- weights leave the group bucket by bucket: the ranks gather one bucket, rank 0 puts it in the
+  object store, and only the refs come back (DCS publishes them as they are);
 - checkpoints: each rank writes its slices into the one staging folder this process opened.
 
 The group is one fault domain: a rank that dies fails the call, and with it the role, which then
@@ -22,9 +23,10 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -32,8 +34,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlx.checkpoints import staged_checkpoint
 from rlx.data.sample import Sample
+from rlx.weights.buckets import Bucket
+from rlx.weights.sync import WeightPublisher, from_object_store
+
+if TYPE_CHECKING:
+    import torch
 
 START_TIMEOUT_S = 300.0
+COLOCATED_BUCKET_BYTES = 256 << 20  # weights handed to a colocated engine travel in buckets this size
 
 
 def split_by_tokens(samples: list[Sample], ranks: int) -> list[list[int]]:
@@ -172,8 +180,19 @@ class RankGroup:
                 out[i] = row
         return out
 
-    def weights(self) -> dict:
-        return self._all("weights")[0]
+    def weight_buckets(self, bucket_bytes: int) -> tuple[list[Bucket], list[ray.ObjectRef]]:
+        """The whole weights in the object store, in the layout a single-process Actor publishes."""
+        return self._all("weight_buckets", bucket_bytes)[0]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The whole weights for an engine in this process (colocated), read from the buckets."""
+        return from_object_store(*self.weight_buckets(COLOCATED_BUCKET_BYTES))
+
+    def publish(self, publisher: WeightPublisher, rollback: bool = False) -> dict[str, float]:
+        """A new version through DCS straight from the ranks' buckets: nothing passes through here."""
+        started = time.monotonic()
+        layout, refs = self.weight_buckets(publisher.sync.bucket_bytes)
+        return publisher.publish_buckets(layout, refs, self.version, rollback, put_s=time.monotonic() - started)
 
     def memory(self) -> list[dict[str, int]]:
         """Per rank: bytes of its parameter, gradient and optimizer-state shards, its RSS and peak RSS."""

@@ -102,7 +102,7 @@ def _actor(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     checkpoints = Checkpointing(run_dir_of(shared), cfg.train.checkpoint_every,
                                 capture=lambda: capture_run_state(shared.bus, shared.prompts))
     worker = actor_worker(cfg, plan, actor, shared.bus,
-                          publish=lambda: publisher.publish(actor.weights(), actor.version),
+                          publish=lambda: actor.publish(publisher),
                           max_staleness=cfg.train.max_staleness, max_steps=cfg.train.steps, checkpoints=checkpoints)
     # A resumed run, or a global recovery after the Actor was lost mid-run, starts from the newest
     # checkpoint; the rollback publish makes every engine drop weights newer than it.
@@ -110,7 +110,7 @@ def _actor(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     if checkpoint is not None:
         actor.load(checkpoint)
         worker.restore(load_run_state(checkpoint))
-    publisher.publish(actor.weights(), actor.version, rollback=True)
+    actor.publish(publisher, rollback=True)
     worker.on_stop.append(publisher.close)
     return worker
 

@@ -10,6 +10,8 @@ if TYPE_CHECKING:
     import torch
 
     from rlx.engines.training.engine import TrainingEngine
+    from rlx.weights.buckets import Bucket
+    from rlx.weights.sync import WeightPublisher
 
 
 class Trainable:
@@ -21,8 +23,17 @@ class Trainable:
         return self.engine.step
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The current weights, whole (a rank of a group: gathered onto rank 0, empty elsewhere)."""
+        """The current weights, whole."""
         return self.engine.weights()
+
+    def publish(self, publisher: WeightPublisher, rollback: bool = False) -> dict[str, float]:
+        """This version's weights through DCS (timings in seconds)."""
+        return publisher.publish(self.weights(), self.version, rollback)
+
+    def weight_buckets(self, bucket_bytes: int) -> tuple[list[Bucket], list]:
+        """On a rank of a group (a sharded engine): the whole weights into the object store, bucket
+        by bucket; see `RankGroup.weight_buckets`."""
+        return self.engine.weight_buckets(bucket_bytes)
 
     def save(self, directory: Path, state: dict, files: dict[str, bytes] | None = None) -> Path:
         """A checkpoint of this role alone: complete or absent, never half."""

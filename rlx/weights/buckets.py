@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 ALIGN = 64  # byte offset alignment inside a flat bucket, so every view is aligned for its dtype
 
@@ -39,13 +40,15 @@ def _spec(name: str, tensor: torch.Tensor, aliases: tuple[str, ...]) -> TensorSp
 
 def plan_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list[Bucket]:
     """Group tensors, in state-dict order, into buckets of at most `bucket_bytes` each (a single
-    larger tensor gets a bucket of its own)."""
+    larger tensor gets a bucket of its own). Sharded tensors (DTensor) are planned at their whole
+    shape; call it on a rank whose shards are not empty (rank 0), as empty storages look alike."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     first_name: dict[tuple, str] = {}
     aliases: dict[str, list[str]] = {}
     for name, tensor in state_dict.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        held = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # a shard: its rank's storage
+        key = (held.untyped_storage().data_ptr(), held.storage_offset(), tuple(tensor.shape), tensor.dtype)
         if key in first_name:
             aliases[first_name[key]].append(name)
         else:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -159,7 +159,7 @@ class WeightSync:
         record = self.ask("wait_newer", name, after, wait_s, reply_s=wait_s + 30)
         if record is None:
             return None
-        return Fetched(record["version"], record["position"], _from_object_store(record["layout"], record["refs"]),
+        return Fetched(record["version"], record["position"], from_object_store(record["layout"], record["refs"]),
                        record["refs"])
 
 
@@ -187,7 +187,8 @@ class WeightReader:
         return True
 
 
-def _from_object_store(layout: list[Bucket], refs: list) -> StateDict:
+def from_object_store(layout: list[Bucket], refs: list) -> StateDict:
+    """The state dict of published buckets, viewing them in the object store (zero-copy, read-only)."""
     state: StateDict = {}
     for bucket, buffer in zip(layout, ray.get(list(refs))):
         state.update(unpack_flat(flat_from_buffer(buffer), bucket))
@@ -254,7 +255,19 @@ class WeightPublisher:
         layout = self.layout(state_dict)
         # one numpy buffer per bucket: the object store copies it once, at memcpy speed
         refs = [ray.put(flat_bucket(state_dict, bucket).cpu().numpy()) for bucket in layout]
-        put_s = time.monotonic() - started
+        flats = (flat_bucket(state_dict, bucket) for bucket in layout)
+        return self._announce(layout, refs, version, rollback, time.monotonic() - started, flats)
+
+    def publish_buckets(self, layout: list[Bucket], refs: list, version: int, rollback: bool = False,
+                        put_s: float = 0.0) -> dict[str, float]:
+        """Publish buckets already in the object store (a sharded Actor's rank 0 put them there, one
+        gathered bucket at a time); a broadcast channel reads them back one at a time."""
+        flats = (flat_from_buffer(ray.get(ref)) for ref in refs)
+        return self._announce(layout, refs, version, rollback, put_s, flats)
+
+    def _announce(self, layout: list[Bucket], refs: list, version: int, rollback: bool, put_s: float,
+                  flats: Iterator[torch.Tensor]) -> dict[str, float]:
+        """Tell the coordinator, then broadcast `flats` (the buckets in order) on a broadcast channel."""
         broadcast = None if self._store is None else {"host": self.host, "port": self._store.port}
         result = self.sync.ask("publish", version, layout, refs, broadcast, rollback)
         if result["accepted"] and self._watcher is not None:
@@ -263,7 +276,7 @@ class WeightPublisher:
         if result["accepted"] and result.get("ranks"):
             broadcast_started = time.monotonic()
             try:
-                self._broadcast(state_dict, layout, result["epoch"], len(result["ranks"]) + 1)
+                self._broadcast(flats, result["epoch"], len(result["ranks"]) + 1)
             except Exception as error:  # a dead or slow subscriber: it loads from the object store instead
                 log.warning("weight broadcast of version %d failed (%s); subscribers fall back to the object store",
                             version, error)
@@ -272,12 +285,12 @@ class WeightPublisher:
             broadcast_s = time.monotonic() - broadcast_started
         return {"put_s": put_s, "broadcast_s": broadcast_s}
 
-    def _broadcast(self, state_dict: StateDict, layout: list[Bucket], epoch: int, world_size: int) -> None:
+    def _broadcast(self, flats: Iterator[torch.Tensor], epoch: int, world_size: int) -> None:
         if self._group is None or self._group.epoch != epoch:
             self._group = BroadcastGroup(self.sync.channel, self._store, self.host, epoch, 0, world_size,
                                          self.sync.timeout_s)
-        for bucket in layout:
-            self._group.broadcast(flat_bucket(state_dict, bucket).to(self._group.device))
+        for flat in flats:
+            self._group.broadcast(flat.to(self._group.device))
 
 
 class WeightSubscriber:
@@ -371,7 +384,7 @@ class WeightSubscriber:
         broadcast = record["broadcast"]
         rank = (broadcast or {}).get("ranks", {}).get(self.name)
         if rank is None:
-            return _from_object_store(record["layout"], record["refs"])
+            return from_object_store(record["layout"], record["refs"])
         try:
             group = self._join(broadcast, rank)
             state: StateDict = {}
@@ -384,7 +397,7 @@ class WeightSubscriber:
             log.warning("weight subscriber %s missed the broadcast of version %d (%s); loading it from the object "
                         "store", self.name, record["version"], error)
             self._group = None
-            return _from_object_store(record["layout"], record["refs"])
+            return from_object_store(record["layout"], record["refs"])
 
     def _join(self, broadcast: dict, rank: int) -> BroadcastGroup:
         if self._group is None or self._group.epoch != broadcast["epoch"]:

@@ -2,8 +2,8 @@
 
 Real parts throughout: a local Ray cluster places the rank processes, torch.distributed joins them
 on loopback, `fully_shard` shards a tiny Llama. One optimizer step must give the same weights and
-the same loss as the one-process engine, for the GRPO loss and for the Critic's value loss, and a
-sharded checkpoint must resume onto 1 or 2 ranks.
+the same loss as the one-process engine, for the GRPO loss and for the Critic's value loss, a
+sharded checkpoint must resume onto 1 or 2 ranks, and DCS must publish what one process would.
 """
 
 from __future__ import annotations
@@ -13,14 +13,19 @@ import random
 import shutil
 
 import pytest
+import ray
 import torch
+from ray import serve
 from safetensors.torch import load_file, save_file
 
 from rlx.checkpoint_shards import INDEX, shard_name
 from rlx.data.sample import Sample
 from rlx.orchestration.builder import build_actor, build_actor_rank, build_critic, build_critic_rank
 from rlx.orchestration.cluster import start_ray, stop_ray
+from rlx.weights import WeightSync
+from rlx.weights.buckets import plan_buckets
 from tests.integration.test_colocate_loop import toy_config
+from tests.integration.test_weight_sync import Engine, _checksum, _until
 
 TOLERANCE = 1e-5
 
@@ -166,9 +171,45 @@ def test_tied_embeddings_save_once_and_resume(ray_cluster, tiny_path, tmp_path):
         train_one_step(group, batch(), 3)
         folder = group.save(tmp_path / "ckpt", {})
         trained = group.weights()
+        layout, _ = group.weight_buckets(50_000)
     finally:
         group.close()
     assert torch.equal(trained["lm_head.weight"], trained["model.embed_tokens.weight"])
     resumed = build_actor_rank(config_for(tied, tmp_path, 1), tied)
     resumed.load(folder)
     assert max_difference(resumed.weights(), trained) == 0.0
+    # published as one process publishes it: the tied tensor travels once, under both names
+    assert layout == plan_buckets(resumed.weights(), 50_000)
+    assert [spec.aliases for bucket in layout for spec in bucket if spec.aliases] == [("lm_head.weight",)]
+
+
+@pytest.mark.parametrize("channel", ["object-store", "gloo"])
+def test_the_group_publishes_bucket_by_bucket_what_one_process_would(ray_cluster, tiny_path, tmp_path, channel):
+    """DCS gets the sharded Actor's weights from its ranks' buckets, in a single-process Actor's
+    layout; an engine loads them from the object store or, on gloo, from the broadcast."""
+    samples, bucket_bytes = batch(), 50_000  # several buckets for the tiny model
+    single = build_actor_rank(config_for(tiny_path, tmp_path, 1), tiny_path)
+    train_one_step(single, samples, 3)
+    serve.start(proxy_location="Disabled")
+    group = build_actor(config_for(tiny_path, tmp_path, 2), tiny_path)
+    try:
+        train_one_step(group, samples, 3)
+        layout, refs = group.weight_buckets(bucket_bytes)
+        assert layout == plan_buckets(single.weights(), bucket_bytes) and len(layout) > 2
+        sync = WeightSync.create(channel, bucket_mb=bucket_bytes / 2**20, timeout_s=20)
+        publisher = sync.publisher()
+        engine = Engine.remote(sync, "engine-0", str(tiny_path))
+        group.publish(publisher, rollback=True)  # the first version: the engine starts from the object store
+        assert ray.get(engine.start.remote()) == 1
+        train_one_step(group, samples, 3)
+        timings = group.publish(publisher)
+        _until([engine], 2)
+        assert max_difference(sync.fetch_latest().state_dict, group.weights()) == 0.0
+        assert ray.get(engine.checksum.remote()) == pytest.approx(_checksum(group.weights()), rel=1e-9)
+        assert ray.get(engine.by_broadcast.remote()) == (1 if channel == "gloo" else 0)
+        assert timings["put_s"] > 0 and (timings["broadcast_s"] > 0) == (channel == "gloo")
+        publisher.close()
+        ray.kill(engine)
+    finally:
+        group.close()
+        serve.shutdown()

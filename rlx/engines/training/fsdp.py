@@ -9,7 +9,7 @@ update multiplies them back by the number of ranks and divides once by the step'
 
 The rank group (`rlx.orchestration.rank_group`) runs every call on every rank in lockstep; all
 collectives (gathers in forward and backward, the gradient norm, the finiteness vote, the metric
-sums, the weight gather) happen in the same order on each. Checkpoints are sharded: each rank
+sums, the bucket-by-bucket weight gather) happen in the same order on each. Checkpoints are sharded: each rank
 writes its own slices (`rlx.checkpoint_shards`), and a checkpoint loads onto any number of ranks.
 """
 
@@ -19,11 +19,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import ray
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -34,6 +34,7 @@ from rlx.checkpoint_shards import is_sharded, read_index, read_whole, write_inde
 from rlx.config import TrainConfig
 from rlx.engines.training.batch import TokenBatch
 from rlx.engines.training.engine import TrainingEngine
+from rlx.weights.buckets import Bucket, pack_flat, plan_buckets
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -54,6 +55,11 @@ def shard_model(model: PreTrainedModel, config: TrainConfig) -> None:
     for layer in layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor gathered from every rank (a collective); a replicated one as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 class ShardedTrainingEngine(TrainingEngine):
@@ -101,10 +107,20 @@ class ShardedTrainingEngine(TrainingEngine):
                 total[key] = total.get(key, 0.0) + value
         return total
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The whole weights, gathered tensor by tensor onto rank 0's host memory (the other ranks
-        return an empty dict): every rank must call it."""
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def weight_buckets(self, bucket_bytes: int) -> tuple[list[Bucket], list[ray.ObjectRef]]:
+        """The whole weights into the object store, one bucket at a time: every rank gathers the
+        bucket's tensors and rank 0 puts the packed bucket, so no rank ever holds the whole model
+        beside its shard. Rank 0 returns the layout (a single-process Actor's, tied weights sent
+        once) and the buckets' refs; the other ranks return nothing. Every rank must call it."""
+        state = self.model.state_dict()
+        layout = [plan_buckets(state, bucket_bytes) if self.rank == 0 else None]
+        dist.broadcast_object_list(layout, src=0)  # planned where no shard is empty
+        refs = []
+        for bucket in layout[0]:
+            whole = {spec.name: _whole(state[spec.name]) for spec in bucket}
+            if self.rank == 0:
+                refs.append(ray.put(pack_flat(whole, bucket).cpu().numpy()))
+        return (layout[0], refs) if self.rank == 0 else ([], [])
 
     def write_checkpoint(self, folder: Path, extra_state: dict, extra_files: dict[str, bytes] | None = None) -> None:
         """Each rank writes its slices; rank 0 then the index, the model's config and tokenizer, the
