@@ -1,4 +1,5 @@
-"""The `rlx` command line: train, sft, doctor, status, scale, models, export, convert-run, eval, plot, bench."""
+"""The `rlx` command line: train, sft, doctor, status, scale, models, export, convert-run, eval, plot, compare,
+bench."""
 
 from __future__ import annotations
 
@@ -105,7 +106,6 @@ def _convert_run(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     """Greedy held-out evaluation of a run's latest checkpoint (or its initial model with --initial)."""
     import json
-
     import tempfile
 
     from rlx.checkpoint_shards import is_sharded
@@ -148,6 +148,13 @@ def _plot(args: argparse.Namespace) -> int:
     from rlx.obs import plot_run
 
     print(plot_run(Path(args.run_dir)))
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from rlx.obs import plot_compare
+
+    print(plot_compare([Path(d) for d in args.run_dirs], Path(args.out)))
     return 0
 
 
@@ -283,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="plot reward and eval accuracy of a run to PNG")
     plot.add_argument("run_dir")
     plot.set_defaults(func=_plot)
+    compare = sub.add_parser("compare", help="several runs in one PNG: reward and eval accuracy against "
+                             "trained samples and wall time")
+    compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    compare.add_argument("--out", default="compare.png", help="the PNG to write (default compare.png)")
+    compare.set_defaults(func=_compare)
     return parser
 
 

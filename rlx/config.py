@@ -7,6 +7,7 @@ unknown keys, so a typo is an error that names the key and the keys allowed besi
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -429,13 +430,43 @@ class FaultConfig(Section):
                                           "loop blocks forever without a heartbeat")
 
 
+def _needs_package(enabled: bool, module: str, field: str) -> bool:
+    """A metrics sink turned on without its package fails when the config is read, not mid-run."""
+    if enabled and importlib.util.find_spec(module) is None:
+        raise ValueError(f"{field}=true needs the {module} package: pip install 'rlx[logging]' "
+                         f"(or pip install {module})")
+    return enabled
+
+
+class WandbConfig(Section):
+    """Weights & Biases: each metrics.jsonl line becomes one W&B history row (same keys, x-axis `step`)
+    and the resolved config the run's config. Offline by default: files under <run_dir>/wandb, sent
+    later with `wandb sync`; online needs `wandb login` or WANDB_API_KEY."""
+
+    enabled: bool = False
+    project: str = "rlx"
+    name: str | None = Field(None, description="W&B run name; default logging.name")
+    mode: Literal["offline", "online"] = "offline"
+
+    @field_validator("enabled")
+    @classmethod
+    def _installed(cls, enabled: bool) -> bool:
+        return _needs_package(enabled, "wandb", "logging.wandb.enabled")
+
+
 class LoggingConfig(Section):
     name: str = "run"
     run_dir: str | None = Field(None, description="default runs/<name>")
     progress_bar: bool = True
-    tensorboard: bool = False
+    tensorboard: bool = Field(False, description="the metrics.jsonl keys as scalars under <run_dir>/tensorboard")
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
     alerts: list[str] = Field(default_factory=list, description="Apprise URLs notified on failure, recovery "
                               "and finish (e.g. json://127.0.0.1:8000/hook, mailto://, slack://)")
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _installed(cls, enabled: bool) -> bool:
+        return _needs_package(enabled, "tensorboard", "logging.tensorboard")
 
 
 class WeightsConfig(Section):
@@ -503,11 +534,15 @@ class RunConfig(Section):
     def run_dir(self) -> Path:
         return Path(self.logging.run_dir or Path("runs") / self.logging.name)
 
+    def resolved(self) -> dict[str, str]:
+        """What the `auto` settings resolved to (it depends on other sections)."""
+        return {"algorithm.behavior_correction": self.algorithm.resolved_correction,
+                "algorithm.routing_replay": self.routing_replay}
+
     def to_yaml(self) -> str:
-        """The config as given, plus a comment with what `auto` resolved to (it depends on other sections)."""
-        resolved = (f"# algorithm.behavior_correction resolved to {self.algorithm.resolved_correction}\n"
-                    f"# algorithm.routing_replay resolved to {self.routing_replay}\n")
-        return resolved + yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """The config as given, plus a comment with what `auto` resolved to."""
+        comments = "".join(f"# {key} resolved to {value}\n" for key, value in self.resolved().items())
+        return comments + yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
 GROUP_RELATIVE = ("grpo", "rloo", "reinforce_pp_baseline")
@@ -617,8 +652,8 @@ def resolve_routing_replay(c: RunConfig) -> tuple[Literal["off", "r3"], str]:
         return "off", f"model.path={c.model.path!r} is not a mixture-of-experts model"
     if c.rollout.engine not in ROUTE_REPORTING_ENGINES:
         return "off", f"rollout.engine={c.rollout.engine} does not report the experts it routed to"
-    return "r3", f"model.path={c.model.path!r} is a mixture-of-experts model and rollout.engine={c.rollout.engine} " \
-                 "reports its routes"
+    return "r3", (f"model.path={c.model.path!r} is a mixture-of-experts model and "
+                  f"rollout.engine={c.rollout.engine} reports its routes")
 
 
 def config_warnings(c: RunConfig) -> list[str]:

@@ -1,11 +1,18 @@
-"""Metrics: one JSON line per step in `metrics.jsonl`, a short console line, optional TensorBoard."""
+"""Metrics: one JSON line per step in `metrics.jsonl`, a short console line, optional sinks
+(TensorBoard, W&B: `rlx.obs.sinks`). docs/metrics.md explains every key."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
+
+from rlx.obs.sinks import Sink, close_all, open_sinks
+
+if TYPE_CHECKING:
+    from rlx.config import RunConfig
 
 CONSOLE_KEYS = ("reward_mean", "eval_accuracy", "loss", "kl", "entropy", "clip_fraction", "response_length",
                 "gen_tokens_per_s", "time_step_s")
@@ -21,28 +28,28 @@ def format_line(step: int, metrics: dict[str, Any]) -> str:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool = False, echo: Callable[[str], None] = print) -> None:
+    """Appends each step's record to metrics.jsonl and hands the same record to every sink."""
+
+    def __init__(self, run_dir: Path, sinks: Sequence[Sink] = (), echo: Callable[[str], None] = print) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.echo = echo
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.sinks = list(sinks)
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+    @classmethod
+    def for_run(cls, run_dir: Path, config: RunConfig, echo: Callable[[str], None] = print) -> MetricsWriter:
+        """With the sinks `config.logging` turns on (TensorBoard, W&B)."""
+        return cls(run_dir, open_sinks(run_dir, config), echo)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **metrics}
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, step)
+        for sink in self.sinks:
+            sink.write(record)
         self.echo(format_line(step, metrics))
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        close_all(self.sinks)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -300,7 +300,7 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
     alerts = Alerts(config.logging.alerts, config.logging.name)
     started = time.perf_counter()
     run = AsyncRun(config, run_dir, echo, alerts, faults)
-    writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard, echo=echo)
+    writer = MetricsWriter.for_run(run_dir, config, echo=echo)
     try:
         run.run(writer, started, resume)
     except BaseException as exc:
