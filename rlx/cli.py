@@ -1,5 +1,5 @@
 """The `rlx` command line: train, sft, doctor, status, scale, models, export, convert-run, eval, plot, compare,
-bench."""
+timeline, bench."""
 
 from __future__ import annotations
 
@@ -151,6 +151,22 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _timeline(args: argparse.Namespace) -> int:
+    from rlx.obs.trace import write_timeline
+
+    window = None
+    if args.window:
+        try:
+            window = tuple(float(part) for part in args.window.split(":"))
+        except ValueError:
+            window = ()
+        if len(window) != 2 or window[0] >= window[1]:
+            raise UserError(f"--window {args.window}: give START:END in seconds, START < END (e.g. 120:180)")
+    json_path, png_path, trace = write_timeline(Path(args.run_dir), window)
+    print(f"{json_path} ({len(trace.spans)} spans; open it in Perfetto or chrome://tracing)\n{png_path}")
+    return 0
+
+
 def _compare(args: argparse.Namespace) -> int:
     from rlx.obs import plot_compare
 
@@ -290,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="plot reward and eval accuracy of a run to PNG")
     plot.add_argument("run_dir")
     plot.set_defaults(func=_plot)
+    timeline = sub.add_parser("timeline", help="every role's spans of a run as RUN_DIR/timeline.json (Chrome trace, "
+                              "Perfetto) and RUN_DIR/timeline.png (Gantt chart)")
+    timeline.add_argument("run_dir")
+    timeline.add_argument("--window", help="draw only START:END, in seconds since the run's first span (the JSON "
+                          "always holds everything)")
+    timeline.set_defaults(func=_timeline)
     compare = sub.add_parser("compare", help="several runs in one PNG: reward and eval accuracy against "
                              "trained samples and wall time")
     compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

@@ -22,6 +22,7 @@ from rlx.data import load_splits
 from rlx.engines.generation.base import SamplingParams
 from rlx.models import load_tokenizer
 from rlx.obs import Alerts, MetricsWriter, plot_run
+from rlx.obs.timeline import SPANS, run_folder
 from rlx.orchestration.api import ApiServer, ScaleInProgress, ScaleRefused, ScaleTimedOut
 from rlx.orchestration.autoscaler import Autoscaler
 from rlx.orchestration.builder import (
@@ -57,8 +58,9 @@ class DriverEvaluator:
         self.params: SamplingParams = sampling_params(config, seed=0, greedy=True)
 
     def __call__(self) -> dict[str, float]:
-        self.weights.pull(self.rollout.load_weights)
-        metrics = evaluate(self.rollout, self.reward, self.rows, self.encode, self.params)
+        with SPANS.span("evaluate", "driver"):
+            self.weights.pull(self.rollout.load_weights)
+            metrics = evaluate(self.rollout, self.reward, self.rows, self.encode, self.params)
         return {**metrics, "eval_weight_version": float(self.rollout.version)}
 
     def close(self) -> None:
@@ -224,7 +226,8 @@ class AsyncRun:
         else:
             self.step = json.loads((checkpoint / "trainer_state.json").read_text())["loop_step"]
             self.echo(f"resumed from {checkpoint} at step {self.step}")
-        c.deploy()
+        with SPANS.span("start", "driver"):  # until every role's replicas are up
+            c.deploy()
         # The Actor and the Critic each restart from their own newest checkpoint when lost.
         self.health = HealthManager(c.plan, c.bus, c.prompts, c.heartbeats, cfg.rollout.n, t.heartbeat_timeout_s,
                                     t.max_restarts_per_role, t.max_restarts, c.weights,
@@ -301,6 +304,7 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
     started = time.perf_counter()
     run = AsyncRun(config, run_dir, echo, alerts, faults)
     writer = MetricsWriter.for_run(run_dir, config, echo=echo)
+    SPANS.open(run_folder(run_dir), "driver")  # each role's replicas write their own (services.py)
     try:
         run.run(writer, started, resume)
     except BaseException as exc:
@@ -309,5 +313,6 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
     finally:
         writer.close()
         run.controller.shutdown()
+        SPANS.close()
     plot_run(run_dir)
     return run_dir

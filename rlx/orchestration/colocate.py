@@ -19,6 +19,7 @@ from rlx.bus import LocalBus
 from rlx.checkpoints import staged_checkpoint
 from rlx.config import RunConfig
 from rlx.obs import Alerts, MetricsWriter, plot_run
+from rlx.obs.timeline import SPANS, run_folder
 from rlx.orchestration.builder import Workers, build_components, build_workers
 from rlx.orchestration.cluster import stop_ray
 from rlx.orchestration.evaluation import evaluate
@@ -92,11 +93,14 @@ def run_colocate(config: RunConfig, resume: bool = False, overwrite: bool = Fals
     except BaseException as exc:
         alerts.notify("failure", f"{type(exc).__name__}: {exc}")
         raise
+    finally:
+        SPANS.close()  # opened once the run directory exists
 
 
 def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Callable[[str], None],
                     alerts: Alerts) -> Path:
     run_dir = prepare_run_dir(config, resume, overwrite)
+    SPANS.open(run_folder(run_dir), "colocated")
     started = time.perf_counter()
     ray_was_running = ray.is_initialized()
     c = build_components(config)
@@ -107,7 +111,8 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
     step, totals = 0, Counter()
 
     def run_eval() -> dict[str, float]:
-        return evaluate(c.rollout, c.reward, c.eval_rows, c.encode, c.sampling(seed=0, greedy=True))
+        with SPANS.span("evaluate", "driver"):
+            return evaluate(c.rollout, c.reward, c.eval_rows, c.encode, c.sampling(seed=0, greedy=True))
 
     if resume:
         checkpoint = latest_checkpoint(run_dir, resuming=True)
@@ -123,7 +128,8 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
 
     def save() -> None:
         state = {"loop_step": step, "data_position": c.prompts.stream.position, "totals": dict(totals)}
-        with staged_checkpoint(checkpoint_path(run_dir, step)) as staging:  # one unit: complete or absent
+        with (SPANS.span("checkpoint", "driver", step=step),
+              staged_checkpoint(checkpoint_path(run_dir, step)) as staging):  # one unit: complete or absent
             c.actor.write(staging, state)
             if c.critic is not None:  # stateful too: the value model and its optimizer
                 c.critic.write(staging / "critic", state)

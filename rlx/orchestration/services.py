@@ -25,6 +25,7 @@ from ray import serve
 from rlx.bus.ray_bus import Bus
 from rlx.config import RunConfig
 from rlx.models import load_tokenizer
+from rlx.obs.timeline import SPANS, run_folder
 from rlx.orchestration.builder import (
     actor_worker,
     advantages_worker,
@@ -188,9 +189,12 @@ class RoleService:
         self.draining = False
         if engine_id is not None:
             self.heartbeats.announce.remote(engine_id, "loading")
+        if shared.run_dir is not None:  # spans go to the run directory: it must be reachable from here
+            SPANS.open(run_folder(Path(shared.run_dir)), self.consumer)
         shared = Shared(shared.bus.for_consumer(self.consumer), shared.weights, shared.prompts, shared.heartbeats,
                         shared.run_dir)
-        self.worker = SERVICE_BUILDERS[role](cfg, build_plan(cfg), shared)
+        with SPANS.span("start", role):  # the role's model, and the first weights for an engine
+            self.worker = SERVICE_BUILDERS[role](cfg, build_plan(cfg), shared)
         self.worker.run_forever()
         self.stopped = threading.Event()
         self.failure: str | None = None  # why the health check failed, if it did
@@ -207,6 +211,7 @@ class RoleService:
         self.draining = True
         self.worker.stop()
         self.stopped.set()
+        SPANS.flush()  # and it keeps writing: the driver's final checkpoint comes after the Actor stops
         goodbye = {**self.status(), "stopped": True, "failure": self.failure}
         try:
             ray.get(self.heartbeats.beat.remote(self.role, self.consumer, goodbye), timeout=10)

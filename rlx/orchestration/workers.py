@@ -10,7 +10,7 @@ import abc
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
@@ -22,6 +22,7 @@ from rlx.bus.loader import StreamingDataLoader
 from rlx.data.rows import PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import SamplingParams
+from rlx.obs.timeline import SPANS
 from rlx.orchestration.faults import StepFaults
 from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.reports import Cursor, StepReports, batch_metrics
@@ -75,6 +76,7 @@ class Worker(abc.ABC):
         self._thread: threading.Thread | None = None
         self.on_stop: list[Callable[[], None]] = []  # resources to release with the worker (a weight subscription)
         self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rlx-{name}-wait")  # `_beating_while`
+        self._waiting_since: float | None = None  # `perf_counter` of the first of the empty polls since the last work
 
     @abc.abstractmethod
     def work_once(self) -> int:
@@ -90,14 +92,45 @@ class Worker(abc.ABC):
         total, self.poll_timeout_s = 0, 0.0
         while (done := self.work_once()) > 0:
             total += done
+        self._waiting_since = None  # the loop runs the next role now: this one is not waiting
         return total
 
-    def _timed(self, fn: Callable[[], Any]) -> Any:
+    def _timed(self, fn: Callable[[], Any], span: str | None = None, **args: Any) -> Any:
+        """Run `fn` as busy time; `span` names it on the timeline (`rlx.obs.timeline`)."""
         start = time.monotonic()
         try:
-            return fn()
+            if span is None:
+                return fn()
+            with SPANS.span(span, self.name, **args):
+                return fn()
         finally:
             self.busy_s += time.monotonic() - start
+
+    def _waited(self, since: float, got_work: bool) -> None:
+        """Book a bus wait: the thread waits from its first empty poll until a poll brings work,
+        one span however many polls that took."""
+        if self._waiting_since is None:
+            self._waiting_since = since
+        if got_work:
+            SPANS.add("wait", self.name, self._waiting_since, time.perf_counter())
+            self._waiting_since = None
+
+    def _waiting_for(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """`batches` (a data loader that blocks until rows are ready), each wait for one on the timeline."""
+        batches = iter(batches)
+        while True:
+            with SPANS.span("wait", self.name):
+                batch = next(batches, None)
+            if batch is None:
+                return
+            yield batch
+
+    def _poll(self, task: str, fields: list[str], size: int, **kwargs: Any) -> tuple[list[int], dict[str, list]]:
+        """`bus.poll` for `task`, its waiting time on the timeline."""
+        since = time.perf_counter()
+        rows, values = self.bus.poll(task, fields, size, self.poll_timeout_s, **kwargs)
+        self._waited(since, bool(rows))
+        return rows, values
 
     def _beating_while(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on a helper thread and keep beating until it returns: for a wait with a timeout
@@ -165,7 +198,7 @@ class RewardWorker(Worker):
         return {**super().status(), **failures}
 
     def _score(self, rows: list[int], samples: list[Sample]) -> None:
-        self._timed(lambda: self.role.score(samples))
+        self._timed(lambda: self.role.score(samples), "score", rows=len(rows))
         self.bus.put_fields(rows, {name: [getattr(s, name) for s in samples] for name in self.outputs})
         self.items += len(rows)
 
@@ -192,8 +225,7 @@ class RewardWorker(Worker):
         if room > 0:
             size = {"sample": room, "group": room * self.group_size, "batch": self.batch_size}[self.unit]
             sampler = ("group", self.group_size) if self.unit == "group" else None
-            rows, values = self.bus.poll("reward", self.inputs, size, self.poll_timeout_s, sampler=sampler,
-                                         partial=True)
+            rows, values = self._poll("reward", self.inputs, size, sampler=sampler, partial=True)
             for unit_rows, unit_samples in self._units(rows, to_samples(rows, values) if rows else []):
                 self.in_flight.add(self.pool.submit(self._score, unit_rows, unit_samples))
         if not rows and self.in_flight:
@@ -220,12 +252,12 @@ class AdvantagesWorker(Worker):
         self.dropped_groups = 0
 
     def work_once(self) -> int:
-        rows, values = self.bus.poll("advantages", self.inputs, self.group_size * self.groups_per_batch,
-                                     self.poll_timeout_s, sampler=("group", self.group_size), partial=True)
+        rows, values = self._poll("advantages", self.inputs, self.group_size * self.groups_per_batch,
+                                  sampler=("group", self.group_size), partial=True)
         if not rows:
             return 0
         samples = to_samples(rows, values)
-        result = self._timed(lambda: self.role.compute(samples))
+        result = self._timed(lambda: self.role.compute(samples), "advantages", rows=len(rows))
         self.bus.put_fields(rows, {name: [getattr(s, name) for s in samples] for name in self.outputs})
         if result.dropped_groups:
             self.dropped_groups += result.dropped_groups
@@ -252,9 +284,9 @@ class CriticWorker(Worker):
         self.checkpoints = checkpoints
 
     def _values(self) -> int:
-        rows, values = self.bus.poll("critic", self.value_inputs, self.micro_batch_size, self.poll_timeout_s, partial=True)
+        rows, values = self._poll("critic", self.value_inputs, self.micro_batch_size, partial=True)
         if rows:
-            out = self._timed(lambda: self.role.values(to_samples(rows, values)))
+            out = self._timed(lambda: self.role.values(to_samples(rows, values)), "forward", rows=len(rows))
             self.bus.put_fields(rows, {"values": out})
         return len(rows)
 
@@ -262,17 +294,18 @@ class CriticWorker(Worker):
         if self.remaining is None:
             self.role.begin_step()
             self.remaining = self.rows_per_step
-        rows, values = self.bus.poll("critic_train", self.train_inputs, min(self.micro_batch_size, self.remaining),
-                                     self.poll_timeout_s, partial=True)
+        rows, values = self._poll("critic_train", self.train_inputs, min(self.micro_batch_size, self.remaining),
+                                  partial=True)
         if not rows:
             return 0
         trainable = [s for s in to_samples(rows, values) if s.filter_reason is None]
         if trainable:
-            self._timed(lambda: self.role.accumulate(trainable))
+            self._timed(lambda: self.role.accumulate(trainable), "train", step=self.role.version + 1,
+                        rows=len(trainable))
         self.bus.clear_consumed(self.final_tasks)
         self.remaining -= len(rows)
         if self.remaining <= 0:
-            metrics = self._timed(self.role.finish_step)
+            metrics = self._timed(self.role.finish_step, "train", step=self.role.version + 1, phase="optimizer")
             self.remaining = None
             step = self.role.version
             self.reports.add({**metrics, "critic_step": float(step)})
@@ -288,7 +321,7 @@ class CriticWorker(Worker):
     def save_checkpoint(self) -> None:
         """The value model and its optimizer at the Critic's own step, into `checkpoints/critic/`."""
         if self.checkpoints.run_dir is not None:
-            with self.lock:
+            with self.lock, SPANS.span("checkpoint", self.name, step=self.role.version):
                 self.role.save(checkpoint_path(self.checkpoints.run_dir, self.role.version, "critic"), {})
 
     def reported_after(self, cursor: Cursor | None) -> list[tuple[Cursor, dict[str, float]]]:
@@ -308,13 +341,14 @@ class LogProbWorker(Worker):
         self.inputs, self.output, self.outputs, self.before_batch = inputs, output, outputs, before_batch
 
     def work_once(self) -> int:
-        rows, values = self.bus.poll(self.name, self.inputs, self.batch_size, self.poll_timeout_s, partial=True)
+        rows, values = self._poll(self.name, self.inputs, self.batch_size, partial=True)
         if not rows:
             return 0
         self.before_batch()
         samples = to_samples(rows, values)
         trainable = [s for s in samples if s.filter_reason is None]
-        logprobs = iter(self._timed(lambda: self.role.logprobs(trainable)) if trainable else [])
+        logprobs = iter(self._timed(lambda: self.role.logprobs(trainable), "forward", rows=len(trainable))
+                        if trainable else [])
         written = {self.output: [next(logprobs) if s.filter_reason is None else None for s in samples]}
         if "proximal_version" in self.outputs:
             written["proximal_version"] = [self.role.weight_version] * len(samples)
@@ -374,19 +408,21 @@ class RolloutWorker(Worker):
 
         produced = 0
         mark = time.monotonic()  # busy time is booked per sample: one continuous stream can last a whole run
-        for sample in self.role.generate(groups, self.n, params, more_groups=self.admit if continuous else None,
-                                         between_steps=self._between_steps if continuous else None):
-            self.bus.put({name: [getattr(sample, name)] for name in self.fields}, group_ids=[sample.group_id],
-                         num_tokens=[sample_tokens(sample)])
-            self._pending[sample.group_id] -= 1
-            if self._pending[sample.group_id] == 0:
-                del self._pending[sample.group_id]
-                self.bus.flush()  # the group is reported done only once the bus has all of it
-                self.source.finished(self.consumer, [sample.group_id])
-            produced += 1
-            self.items += 1
-            now = time.monotonic()
-            self.busy_s, mark = self.busy_s + now - mark, now
+        with SPANS.span("generate", self.name, groups=len(groups)) as span:  # a whole stream: async, one per run
+            for sample in self.role.generate(groups, self.n, params, more_groups=self.admit if continuous else None,
+                                             between_steps=self._between_steps if continuous else None):
+                self.bus.put({name: [getattr(sample, name)] for name in self.fields}, group_ids=[sample.group_id],
+                             num_tokens=[sample_tokens(sample)])
+                self._pending[sample.group_id] -= 1
+                if self._pending[sample.group_id] == 0:
+                    del self._pending[sample.group_id]
+                    self.bus.flush()  # the group is reported done only once the bus has all of it
+                    self.source.finished(self.consumer, [sample.group_id])
+                produced += 1
+                self.items += 1
+                now = time.monotonic()
+                self.busy_s, mark = self.busy_s + now - mark, now
+            span.args["samples"] = produced
         self.busy_s += time.monotonic() - mark
         return produced
 
@@ -400,11 +436,12 @@ class RolloutWorker(Worker):
 
     def work_once(self) -> int:
         self._refresh()
+        since = time.perf_counter()
         groups = self.admit(max(1, self.max_batch_size // self.n))
         if not groups:
             time.sleep(0.02)  # waiting for the trainer: admission control, not work
-            return 0
-        return self._produce(groups, continuous=True)
+        self._waited(since, bool(groups))
+        return self._produce(groups, continuous=True) if groups else 0
 
 
 class ActorWorker(Worker):
@@ -446,7 +483,7 @@ class ActorWorker(Worker):
         filtered: Counter = Counter()
         trained = 0
         self.role.begin_step()
-        for row_ids, values in loader:
+        for row_ids, values in self._waiting_for(loader):
             samples = to_samples(row_ids, values)
             for sample in samples:
                 if sample.filter_reason is None and not self.gate.is_fresh(sample.behavior_version, version):
@@ -455,12 +492,13 @@ class ActorWorker(Worker):
             trainable = [s for s in samples if s.filter_reason is None]
             filtered.update(s.filter_reason for s in samples if s.filter_reason is not None)
             if trainable:
-                self._timed(lambda: self.role.accumulate(trainable))
+                self._timed(lambda: self.role.accumulate(trainable), "train", step=version + 1, rows=len(trainable))
                 trained += len(trainable)
         # with PPO epochs or mini-batches every update runs here: beat through it, it is no hang
-        metrics = self._timed(lambda: self._beating_while(self.role.finish_step))
+        metrics = self._timed(lambda: self._beating_while(self.role.finish_step), "train", step=version + 1,
+                              phase="optimizer")
         publish_started = time.monotonic()
-        self._timed(lambda: self._beating_while(self.publish))
+        self._timed(lambda: self._beating_while(self.publish), "publish", version=self.role.version)
         metrics["time_publish_s"] = time.monotonic() - publish_started
         # Rows leave the bus only once their step is done: an Actor lost mid-step hands them back.
         self.bus.clear_consumed(self.final_tasks)
@@ -502,7 +540,7 @@ class ActorWorker(Worker):
         """Between two steps, into `<run_dir>/checkpoints/step_<the trainer's own step>`: the model,
         the optimizer and (async mode) `checkpoints.capture()`, the state of the bus and the prompt source
         taken while the trainer cannot consume, as run-state data files (`rlx.run_state`)."""
-        with self.lock:
+        with self.lock, SPANS.span("checkpoint", self.name, step=self.role.version):
             step = self.role.version  # the driver's count may lag: the trainer's is the truth
             run_state = {"samples_per_group": dict(self.samples_per_group), **self.checkpoints.capture()}
             return str(self.role.save(checkpoint_path(Path(run_dir), step), {**extra_state, "loop_step": step},

@@ -7,11 +7,13 @@ import torch
 
 from rlx.data.sample import Sample
 from rlx.engines.training.forward import token_logprobs
+from rlx.obs.timeline import SPANS
 from rlx.roles.batching import samples_to_batch
 
 
 class Reference:
     weight_version = 0
+    timeline_role = "reference"  # the role its weight loads are recorded under (`rlx.obs.timeline`)
 
     def __init__(self, model, pad_token_id: int, temperature: float, micro_batch_size: int,
                  refresh_every: int = 0, bf16: bool = False) -> None:
@@ -26,7 +28,7 @@ class Reference:
         self.bf16 = bf16
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), SPANS.span("load_weights", self.timeline_role, version=version):
             self.model.load_state_dict(state_dict, strict=True)
         self.weight_version = version
 
@@ -54,3 +56,5 @@ class ActorFwd(Reference):
     """Log-probs under the latest published policy: the proximal policy of decoupled PPO.
 
     Computed on its own resources as samples arrive, so these forward passes overlap training."""
+
+    timeline_role = "actor_fwd"

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from rlx.data.rows import PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import GenerationEngine, GenerationRequest, SamplingParams
+from rlx.obs.timeline import SPANS
 
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
     from transformers import PreTrainedTokenizerBase
@@ -73,4 +74,5 @@ class Rollout:
         return self.engine.weight_version
 
     def load_weights(self, state_dict, version: int, shared: bool = False) -> None:
-        self.engine.load_weights(state_dict, version, shared)
+        with SPANS.span("load_weights", "rollout", version=version):
+            self.engine.load_weights(state_dict, version, shared)
