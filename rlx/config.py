@@ -396,9 +396,9 @@ class RoleResources(Section):
     replicas: int = Field(1, ge=1, le=16, description="replicas of the role (async mode). A stateless role with 2 "
                           "or more keeps serving while a lost one is replaced; the Rollout starts with this "
                           "many (`rlx scale` changes it); the Actor and the Critic have exactly one")
-    ranks: int = Field(1, ge=1, le=64, description="processes that train the role together, its parameters, "
-                       "gradients and optimizer state sharded over them (FSDP2; gloo on CPU, nccl with GPUs). "
-                       "Actor and Critic; each rank reserves num_cpus and num_gpus")
+    ranks: int = Field(1, ge=1, le=64, description="processes that hold the role's model together, its parameters "
+                       "(and a trainer's gradients and optimizer state) sharded over them (FSDP2; gloo on CPU, nccl "
+                       "with GPUs). Actor, Critic, Reference and Teacher; each rank reserves num_cpus and num_gpus")
 
 
 class ResourcesConfig(Section):
@@ -546,6 +546,7 @@ class RunConfig(Section):
 
 
 GROUP_RELATIVE = ("grpo", "rloo", "reinforce_pp_baseline")
+SHARDABLE_ROLES = ("actor", "critic", "reference", "teacher")
 
 
 def choice_conflicts(c: RunConfig) -> list[str]:
@@ -607,11 +608,12 @@ def choice_conflicts(c: RunConfig) -> list[str]:
                         f"range {scale.min_replicas}..{scale.max_replicas}: start within it")
     ranked = [role for role, value in c.resources if isinstance(value, RoleResources) and value.ranks > 1]
     for role in ranked:
-        if role not in ("actor", "critic"):
-            problems.append(f"resources.{role}.ranks={getattr(c.resources, role).ranks}: only the trainers (actor, "
-                            "critic) shard over ranks; set it to 1")
-    if ranked and (c.train.ppo_epochs > 1 or c.train.mini_batches > 1):
-        problems.append(f"resources.{ranked[0]}.ranks > 1 with train.ppo_epochs={c.train.ppo_epochs} and "
+        if role not in SHARDABLE_ROLES:
+            problems.append(f"resources.{role}.ranks={getattr(c.resources, role).ranks}: only the "
+                            f"{', '.join(SHARDABLE_ROLES)} shard over ranks; set it to 1")
+    trainers = [role for role in ranked if role in ("actor", "critic")]
+    if trainers and (c.train.ppo_epochs > 1 or c.train.mini_batches > 1):
+        problems.append(f"resources.{trainers[0]}.ranks > 1 with train.ppo_epochs={c.train.ppo_epochs} and "
                         f"train.mini_batches={c.train.mini_batches}: a sharded trainer takes one update per step "
                         "for now; set both to 1, or ranks=1")
     if c.reward.scope == "group" and ":" not in c.reward.name:

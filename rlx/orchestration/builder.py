@@ -42,7 +42,7 @@ from rlx.roles import Actor, ActorFwd, Advantages, Critic, GenRM, Reference, Rew
 from rlx.weights.buckets import flatten_parameters
 
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from rlx.orchestration.rank_group import RankGroup
 
@@ -119,14 +119,22 @@ def build_critic_rank(config: RunConfig) -> Critic:
     return Critic(engine, tokenizer.pad_token_id, config.critic.value_clip)
 
 
-def build_teacher(config: RunConfig, student_vocab: int) -> Reference:
+def build_teacher(config: RunConfig, student_vocab: int) -> Reference | RankGroup:
+    """The Teacher: in this process, or over `resources.teacher.ranks` rank processes."""
+    if config.resources.teacher.ranks > 1:
+        return rank_group(config, "teacher", functools.partial(build_teacher_rank, config, student_vocab))
+    return build_teacher_rank(config, student_vocab)
+
+
+def build_teacher_rank(config: RunConfig, student_vocab: int) -> Reference:
     model, tokenizer = load_pretrained(resolve_model_path(config.teacher.path), config.train.param_dtype,
                                        config.resources.device)
     if model.config.vocab_size != student_vocab:
         raise ConfigError(f"teacher.path={config.teacher.path!r} has a vocabulary of {model.config.vocab_size} tokens "
                           f"and the student {student_vocab}: distillation scores the student's tokens, so both "
                           "need the same tokenizer")
-    return Reference(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size)
+    return forward_role(config, model)(model, tokenizer.pad_token_id, config.rollout.temperature,
+                                       config.train.micro_batch_size)
 
 
 def load_policy(config: RunConfig, path: Path, dtype: str):
@@ -164,7 +172,7 @@ def training_engine_class() -> type[TrainingEngine]:
     return TrainingEngine
 
 
-def rank_group(config: RunConfig, role: str, build: Callable[[], Actor | Critic]) -> RankGroup:
+def rank_group(config: RunConfig, role: str, build: Callable[[], Actor | Critic | Reference]) -> RankGroup:
     """`build` run on each of the role's ranks, in a Ray cluster (a local one is started for a colocated run)."""
     from rlx.orchestration.cluster import start_ray
     from rlx.orchestration.rank_group import RankGroup
@@ -175,12 +183,30 @@ def rank_group(config: RunConfig, role: str, build: Callable[[], Actor | Critic]
     return RankGroup(build, each.ranks, each.num_cpus, each.num_gpus, each.threads, role)
 
 
-def build_reference(config: RunConfig, path: Path) -> Reference | None:
+def build_reference(config: RunConfig, path: Path) -> Reference | RankGroup | None:
+    """The Reference, if the run has a KL term: in this process, or over `resources.reference.ranks`."""
     if config.algorithm.kl_coef <= 0:
         return None
+    if config.resources.reference.ranks > 1:
+        return rank_group(config, "reference", functools.partial(build_reference_rank, config, path))
+    return build_reference_rank(config, path)
+
+
+def build_reference_rank(config: RunConfig, path: Path) -> Reference:
     model, tokenizer = load_policy(config, path, config.train.param_dtype)
-    return Reference(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size,
-                     config.algorithm.kl_reference_refresh_every)
+    return forward_role(config, model)(model, tokenizer.pad_token_id, config.rollout.temperature,
+                                       config.train.micro_batch_size, config.algorithm.kl_reference_refresh_every)
+
+
+def forward_role(config: RunConfig, model: PreTrainedModel) -> type[Reference]:
+    """On a rank of a process group: `model` sharded, and the class that runs its forwards in
+    lockstep (imported only there); else the one-process `Reference`."""
+    if not torch.distributed.is_initialized():
+        return Reference
+    from rlx.engines.training.fsdp import ShardedReference, shard_model
+
+    shard_model(model, config.train)
+    return ShardedReference
 
 
 def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd:
@@ -211,9 +237,9 @@ class Components:
     reward: Reward | GenRM
     advantages: Advantages
     actor: Actor | RankGroup
-    reference: Reference | None
+    reference: Reference | RankGroup | None
     critic: Critic | RankGroup | None
-    teacher: Reference | None
+    teacher: Reference | RankGroup | None
     prompts: PromptSource
     eval_rows: list[PromptRow]
 
@@ -224,8 +250,8 @@ class Components:
         return sampling_params(self.config, seed, greedy)
 
     def close(self) -> None:
-        """End the trainers' rank processes, if they have any (a Serve replica's end with its owner)."""
-        for role in (self.actor, self.critic):
+        """End the roles' rank processes, if they have any (a Serve replica's end with its owner)."""
+        for role in (self.actor, self.critic, self.reference, self.teacher):
             if hasattr(role, "close"):
                 role.close()
 

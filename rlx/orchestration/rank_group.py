@@ -1,10 +1,12 @@
-"""One trainer role (Actor, Critic) as a group of N rank processes that train one sharded model.
+"""One trainer role (Actor, Critic), or a forward-only one (Reference, Teacher), as a group of N
+rank processes over one sharded model.
 
 `RankGroup` stands where the role would: the workers, colocate's loop and the Serve deployment call
-it as they call an `Actor` or a `Critic`. It places N Ray actors together (a STRICT_PACK placement
-group), each joins one torch.distributed process group (gloo on CPU, nccl on CUDA; rendezvous at
-rank 0's node address) and builds the role over a `ShardedTrainingEngine`. Every call then runs on
-every rank in lockstep, since each forward and backward gathers parameters collectively:
+it as they call an `Actor`, a `Critic` or a `Reference`. It places N Ray actors together (a
+STRICT_PACK placement group), each joins one torch.distributed process group (gloo on CPU, nccl on
+CUDA; rendezvous at rank 0's node address) and builds the role over a `ShardedTrainingEngine` (a
+`ShardedReference` for a forward-only role). Every call then runs on every rank in lockstep, since
+each forward and backward gathers parameters collectively:
 
 - a micro-batch is split over the ranks by token count; a rank left without samples runs a stand-in
   pass over one of them with its loss multiplied by zero (`counted=False`), so every rank runs the
@@ -124,7 +126,7 @@ class RankGroup:
         address = ray.get(self._processes[0].rendezvous.remote())
         backend = "nccl" if num_gpus else "gloo"
         ray.get([p.start.remote(address, backend, threads, build) for p in self._processes], timeout=START_TIMEOUT_S)
-        self._version = self._first("version")
+        self._version: int | None = None  # a trainer's steps finished, read once it is asked for
 
     # -- lockstep calls --------------------------------------------------------------------------
     def _get(self, refs):
@@ -158,6 +160,8 @@ class RankGroup:
     # -- the role's interface (Trainable, Actor, Critic) -----------------------------------------
     @property
     def version(self) -> int:
+        if self._version is None:
+            self._version = self._first("version")
         return self._version
 
     def begin_step(self) -> None:
@@ -173,12 +177,32 @@ class RankGroup:
 
     def values(self, samples: list[Sample]) -> list[list[float]]:
         """The Critic's values, each rank valuing its share, back in the order of `samples`."""
-        parts, results = self._spread("values", samples)
+        return self._rows("values", samples)
+
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """A Reference's (Teacher's) log-probs, each rank scoring its share, in the order of `samples`."""
+        return self._rows("logprobs", samples)
+
+    def _rows(self, method: str, samples: list[Sample]) -> list[list[float]]:
+        parts, results = self._spread(method, samples)
         out: list[list[float]] = [[] for _ in samples]
         for part, rows in zip(parts, results):
             for i, row in zip(part, rows):
                 out[i] = row
         return out
+
+    @property
+    def refresh_every(self) -> int:
+        return self._first("refresh_every")
+
+    @property
+    def weight_version(self) -> int:
+        return self._first("weight_version")
+
+    def refresh(self, state_dict: dict[str, torch.Tensor], version: int) -> bool:
+        """A Reference that follows the policy: every rank takes the same decision and, when due,
+        loads the whole weights (put once in the object store) and keeps its slices."""
+        return self._all("refresh", ray.put(state_dict), version)[0]
 
     def weight_buckets(self, bucket_bytes: int) -> tuple[list[Bucket], list[ray.ObjectRef]]:
         """The whole weights in the object store, in the layout a single-process Actor publishes."""

@@ -90,9 +90,9 @@ def _rollout(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
 
 
 def _exit_with_a_lost_rank(role) -> None:
-    """A trainer's rank group is one fault domain with its replica: when a rank dies the replica
-    exits as a crashed one would, Serve replaces it, and the HealthManager recovers the role from
-    its last checkpoint (a worker that merely raised would stop the run instead)."""
+    """A role's rank group is one fault domain with its replica: when a rank dies the replica
+    exits as a crashed one would, Serve replaces it, and the HealthManager recovers the role (a
+    trainer from its last checkpoint; a worker that merely raised would stop the run instead)."""
     if hasattr(role, "on_rank_lost"):
         role.on_rank_lost = lambda: os._exit(1)
 
@@ -133,6 +133,7 @@ def _reference(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     """A frozen reference needs no weights after its start; one that follows the policy subscribes
     to DCS and takes a version when its refresh is due (a replacement starts from the latest)."""
     reference = build_reference(cfg, model_path(cfg))
+    _exit_with_a_lost_rank(reference)
     if not reference.refresh_every:
         return logprob_worker(cfg, plan, "reference", reference, shared.bus)
     return _subscribe(lambda sync: logprob_worker(cfg, plan, "reference", reference, shared.bus, sync), shared,
@@ -147,6 +148,7 @@ def _actor_fwd(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
 
 def _teacher(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     teacher = build_teacher(cfg, len(load_tokenizer(model_path(cfg))))
+    _exit_with_a_lost_rank(teacher)
     return logprob_worker(cfg, plan, "teacher", teacher, shared.bus)
 
 

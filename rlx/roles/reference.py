@@ -29,8 +29,16 @@ class Reference:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with torch.no_grad(), SPANS.span("load_weights", self.timeline_role, version=version):
-            self.model.load_state_dict(state_dict, strict=True)
+            self._load(state_dict)
         self.weight_version = version
+
+    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict, strict=True)
+
+    def _passes(self, chunks: list[list[Sample]]) -> list[list[Sample]]:
+        """The micro-batches to run forwards on: `chunks` (a rank of a group adds repeats, so every
+        rank runs as many passes as the busiest; their outputs are dropped)."""
+        return chunks
 
     def refresh(self, state_dict: dict[str, torch.Tensor], version: int) -> bool:
         """Offer the policy's weights of `version`; taken when a refresh is due, or when the policy
@@ -43,13 +51,14 @@ class Reference:
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        size = self.micro_batch_size
+        chunks = [samples[start : start + size] for start in range(0, len(samples), size)]
         out = []
-        for start in range(0, len(samples), self.micro_batch_size):
-            chunk = samples[start : start + self.micro_batch_size]
+        for chunk in self._passes(chunks):
             logprobs, _ = token_logprobs(self.model, samples_to_batch(chunk, self.pad_token_id), self.temperature,
                                          bf16=self.bf16)
             out.extend(lp[: len(s.response_ids)].tolist() for s, lp in zip(chunk, logprobs))
-        return out
+        return out[: len(samples)]
 
 
 class ActorFwd(Reference):

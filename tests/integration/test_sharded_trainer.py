@@ -20,7 +20,14 @@ from safetensors.torch import load_file, save_file
 
 from rlx.checkpoint_shards import INDEX, shard_name
 from rlx.data.sample import Sample
-from rlx.orchestration.builder import build_actor, build_actor_rank, build_critic, build_critic_rank
+from rlx.orchestration.builder import (
+    build_actor,
+    build_actor_rank,
+    build_critic,
+    build_critic_rank,
+    build_reference,
+    build_teacher,
+)
 from rlx.orchestration.cluster import start_ray, stop_ray
 from rlx.weights import WeightSync
 from rlx.weights.buckets import plan_buckets
@@ -213,3 +220,32 @@ def test_the_group_publishes_bucket_by_bucket_what_one_process_would(ray_cluster
     finally:
         group.close()
         serve.shutdown()
+
+
+def test_a_sharded_reference_and_teacher_score_as_one_process(ray_cluster, tiny_path, tmp_path):
+    """Forward-only roles over 2 ranks: same log-probs for an uneven batch (the ranks run different
+    numbers of micro-batches, in lockstep), and a Reference that follows the policy loads it whole."""
+    samples = batch(count=9)  # micro-batches of 3: the ranks' shares split into unequal counts
+    config = config_for(tiny_path, tmp_path, 1).model_copy(deep=True)
+    config.algorithm.kl_coef, config.algorithm.kl_reference_refresh_every = 0.1, 1
+    config.teacher.path = str(tiny_path)
+    sharded = config.model_copy(deep=True)
+    sharded.resources.reference.ranks = sharded.resources.teacher.ranks = 2
+    single, group = build_reference(config, tiny_path), build_reference(sharded, tiny_path)
+    teacher = build_teacher(sharded, single.model.config.vocab_size)
+    try:
+        expected = single.logprobs(samples)
+        for scored in (group.logprobs(samples), teacher.logprobs(samples)):
+            assert [len(row) for row in scored] == [len(s.response_ids) for s in samples]
+            assert max(abs(a - b) for x, y in zip(scored, expected) for a, b in zip(x, y)) < TOLERANCE
+        actor = build_actor_rank(config_for(tiny_path, tmp_path, 1), tiny_path)  # no KL term: no ref log-probs
+        train_one_step(actor, samples, 3)
+        assert single.refresh(actor.weights(), 1) and group.refresh(actor.weights(), 1)
+        assert group.weight_version == 1 and group.refresh_every == 1
+        moved = single.logprobs(samples)
+        assert max(abs(a - b) for x, y in zip(moved, expected) for a, b in zip(x, y)) > 1e-3
+        scored = group.logprobs(samples)
+        assert max(abs(a - b) for x, y in zip(scored, moved) for a, b in zip(x, y)) < TOLERANCE
+    finally:
+        group.close()
+        teacher.close()

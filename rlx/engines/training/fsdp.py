@@ -1,4 +1,5 @@
-"""The FSDP2 training engine: one rank of a trainer's rank group.
+"""The FSDP2 training engine: one rank of a trainer's rank group (and `ShardedReference`, the
+forward-only roles' counterpart).
 
 Every rank holds a slice of each parameter, of its gradient and of its AdamW state
 (`torch.distributed.fsdp.fully_shard` on each decoder layer, then on the root); a forward gathers a
@@ -9,15 +10,16 @@ update multiplies them back by the number of ranks and divides once by the step'
 
 The rank group (`rlx.orchestration.rank_group`) runs every call on every rank in lockstep; all
 collectives (gathers in forward and backward, the gradient norm, the finiteness vote, the metric
-sums, the bucket-by-bucket weight gather) happen in the same order on each. Checkpoints are sharded: each rank
-writes its own slices (`rlx.checkpoint_shards`), and a checkpoint loads onto any number of ranks.
+sums, the bucket-by-bucket weight gather) happen in the same order on each. Checkpoints are
+sharded: each rank writes its own slices (`rlx.checkpoint_shards`), and a checkpoint loads onto
+any number of ranks.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import ray
 import torch
@@ -32,14 +34,17 @@ from torch.distributed.tensor import DTensor
 
 from rlx.checkpoint_shards import is_sharded, read_index, read_whole, write_index, write_shard
 from rlx.config import TrainConfig
+from rlx.data.sample import Sample
 from rlx.engines.training.batch import TokenBatch
 from rlx.engines.training.engine import TrainingEngine
+from rlx.roles.reference import Reference
 from rlx.weights.buckets import Bucket, pack_flat, plan_buckets
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+T = TypeVar("T")
 
 
 def shard_model(model: PreTrainedModel, config: TrainConfig) -> None:
@@ -55,6 +60,14 @@ def shard_model(model: PreTrainedModel, config: TrainConfig) -> None:
     for layer in layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+
+
+def in_lockstep(passes: list[T]) -> list[T]:
+    """`passes`, then repeats of the first until every rank has as many as the busiest (each
+    forward gathers parameters collectively); the caller drops the repeats' outputs."""
+    most = torch.tensor([len(passes)])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return passes + passes[:1] * (int(most.item()) - len(passes))
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -87,11 +100,7 @@ class ShardedTrainingEngine(TrainingEngine):
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     def _in_lockstep(self, micro_batches: list[TokenBatch]) -> list[TokenBatch]:
-        """`micro_batches`, then repeats of the first until every rank has as many passes as the
-        busiest (each pass gathers parameters collectively); the caller drops the repeats' outputs."""
-        most = torch.tensor([len(micro_batches)])
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        return micro_batches + micro_batches[:1] * (int(most.item()) - len(micro_batches))
+        return in_lockstep(micro_batches)
 
     def _all_ranks(self, flag: bool) -> bool:
         vote = torch.tensor([1 if flag else 0])
@@ -188,3 +197,21 @@ def load_sharded_checkpoint(engine: TrainingEngine, directory: Path) -> dict:
     state = json.loads((directory / "trainer_state.json").read_text())
     engine.step = state.pop("step")
     return state
+
+
+class ShardedReference(Reference):
+    """A forward-only role (Reference, Teacher) on one rank of a group: its weights sharded like a
+    trainer's, every forward run in lockstep, and new weights (a Reference that follows the policy)
+    loaded whole and kept as this rank's slices."""
+
+    def _passes(self, chunks: list[list[Sample]]) -> list[list[Sample]]:
+        return in_lockstep(chunks)
+
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        try:
+            return super().logprobs(samples)
+        finally:  # FSDP2 keeps the root's parameters gathered after a forward, for a backward that never comes
+            self.model.reshard()
+
+    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True))
