@@ -1,4 +1,5 @@
-"""Async mode end to end: roles as Ray Serve deployments on loopback, meeting on the bus."""
+"""Async mode end to end: roles as Ray Serve deployments on loopback, meeting on the bus, each
+replica recording its spans for `rlx timeline`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import psutil
 from rlx.obs.metrics import read_metrics
 from rlx.orchestration.async_run import run_async
 from tests.integration.test_colocate_loop import toy_config
+from tests.integration.test_timeline_run import timeline_of
 
 
 def test_async_run_trains_within_staleness_and_leaves_no_processes(tiny_path, tmp_path):
@@ -42,6 +44,30 @@ def test_async_run_trains_within_staleness_and_leaves_no_processes(tiny_path, tm
     leftover = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE]
     assert not leftover, [p.cmdline()[:3] for p in leftover]
+    assert_every_replica_recorded_spans(run_dir, versions=list(range(1, 7)))
+
+
+def assert_every_replica_recorded_spans(run_dir, versions: list[int]) -> None:
+    """`rlx timeline` of the run: spans from the driver and from each role's replica process."""
+    trace, _ = timeline_of(run_dir)
+    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    by_process: dict[str, set[tuple[str, str]]] = {}
+    for event in trace["traceEvents"]:
+        if event["ph"] == "X":
+            label = processes[event["pid"]].split(" (")[0]
+            by_process.setdefault(label.split("-")[0], set()).add((event["cat"], event["name"]))
+    # the driver, and one process per role: its replica; every role waited for its first rows
+    assert set(by_process) == {"driver", "rollout", "reward", "advantages", "actor_fwd", "actor"}
+    assert {("rollout", "generate"), ("rollout", "load_weights")} <= by_process["rollout"]
+    assert {("reward", "score"), ("reward", "wait")} <= by_process["reward"]
+    assert {("advantages", "advantages"), ("advantages", "wait")} <= by_process["advantages"]
+    assert {("actor_fwd", "forward"), ("actor_fwd", "load_weights")} <= by_process["actor_fwd"]
+    assert {("actor", "train"), ("actor", "publish"), ("actor", "wait"), ("actor", "checkpoint")} <= by_process["actor"]
+    assert {("driver", "evaluate"), ("driver", "start"), ("rollout", "load_weights")} <= by_process["driver"]
+    for role in ("rollout", "reward", "advantages", "actor_fwd", "actor"):  # building the role, loading weights
+        assert (role, "start") in by_process[role], role
+    publishes = sorted(e["args"]["version"] for e in trace["traceEvents"] if e["name"] == "publish")
+    assert publishes == versions
 
 
 def test_async_ppo_with_teacher_and_judge_roles(tiny_path, tmp_path):
