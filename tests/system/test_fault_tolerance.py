@@ -80,32 +80,27 @@ def recovered_globally(run_dir, role: str) -> tuple[dict, list[dict]]:
     return health, records
 
 
-def test_a_lost_actor_restarts_from_its_checkpoint_and_the_bus_keeps_its_samples(tiny_path, tmp_path):
-    """Global recovery: the Actor (stateful) is killed mid-run; its replacement loads the newest
-    checkpoint, every engine rolls back to those weights, and the run redoes the lost steps with
-    the samples already on the bus (those within max_staleness) and new ones."""
-    config = paced_async_config(tiny_path, tmp_path, train__checkpoint_every=4)
-    config.faults = [FaultConfig(role="actor", at_step=6, kind="kill")]
-    run_dir = run_async(config, echo=print)
-
-    health, records = recovered_globally(run_dir, "actor")
-    # killed right after its step 6, the trainer restarts from its own step-4 checkpoint
-    assert health["weights"]["rollbacks"] == [[6, 4]]
-    lost, restored = 6, 4
-    assert health["samples_rolled_back"] == (lost - restored) * 16
-    steps = [r["step"] for r in records]
-    assert steps[-8:] == list(range(5, 13)), steps  # the new trainer reported steps 5 to 12
-
-
-def test_a_lost_critic_restarts_from_its_own_checkpoint(tiny_path, tmp_path):
-    """PPO in async mode: the Critic (stateful: the value model's optimizer) is killed mid-run. Its
-    replacement loads the Critic's newest checkpoint, not the initial value model, takes back the
-    rows the dead one held, and the run completes with nothing trained twice."""
+def test_a_lost_critic_and_a_lost_actor_restart_from_their_own_checkpoints(tiny_path, tmp_path):
+    """Global recovery of both stateful roles in one PPO run. The Critic (the value model's optimizer)
+    is killed first: its replacement loads the Critic's newest checkpoint, not the initial value
+    model, and takes back the rows the dead one held. Then the Actor: its replacement loads the
+    newest checkpoint, every engine rolls back to those weights, and the run redoes the lost step
+    with the samples already on the bus (those within max_staleness) and new ones. The run
+    completes with nothing trained twice."""
     config = paced_async_config(tiny_path, tmp_path, algorithm__advantage="gae", train__checkpoint_every=2)
-    config.faults = [FaultConfig(role="critic", at_step=4, kind="kill")]
+    config.faults = [FaultConfig(role="critic", at_step=4, kind="kill"), FaultConfig(role="actor", at_step=7, kind="kill")]
     run_dir = run_async(config, echo=print)
 
     _, records = recovered_globally(run_dir, "critic")
     critic_steps = [int(r["critic_step"]) for r in records if "critic_step" in r]
     assert critic_steps.count(1) == 1, critic_steps  # the replacement did not start from scratch
     assert (run_dir / "checkpoints" / "critic" / "step_000002").is_dir()
+
+    health, records = recovered_globally(run_dir, "actor")
+    # the kill lands right after step 7 (or, a moment late, after step 8 but before its checkpoint):
+    # the trainer restarts from its own step-6 checkpoint
+    ((lost, restored),) = health["weights"]["rollbacks"]
+    assert restored == 6 and lost in (7, 8), health["weights"]["rollbacks"]
+    assert health["samples_rolled_back"] == (lost - restored) * 16
+    steps = [r["step"] for r in records]
+    assert steps[-6:] == list(range(7, 13)), steps  # the new trainer reported steps 7 to 12

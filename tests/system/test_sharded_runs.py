@@ -1,5 +1,6 @@
 """Whole runs with the Actor over 2 FSDP2 ranks: colocated (learns, resumes from its sharded
-checkpoint, exports a folder transformers loads) and async (the Actor service owns the rank group)."""
+checkpoint, exports a folder transformers loads) and async (the Actor service owns the rank group,
+and survives losing a rank)."""
 
 from __future__ import annotations
 
@@ -47,21 +48,11 @@ def test_colocated_run_on_two_ranks_learns_resumes_and_exports(tiny_path, tmp_pa
 
 
 @pytest.mark.slow
-def test_async_run_with_the_actor_on_two_ranks(tiny_path, tmp_path):
-    config = toy_config(tiny_path, tmp_path, train__steps=4, train__mode="async", train__max_staleness=1,
-                        rollout__prompts_per_step=2, resources__actor=TWO_RANKS)
-    run_dir = run_async(config, echo=lambda _: None)
-    records = read_metrics(run_dir)
-    assert [r["step"] for r in records if "reward_mean" in r] == [1, 2, 3, 4]
-    assert records[-1]["eval_weight_version"] == 4  # the engines got every published version
-    assert (run_dir / "checkpoints" / "step_000004" / shard_name(0, 2)).is_file()
-
-
-@pytest.mark.slow
 def test_a_dead_rank_fails_its_group_and_the_actor_recovers_globally(tiny_path, tmp_path):
-    """One fault domain: a rank process killed mid-run (SIGKILL, a real process death) fails the
-    Actor's next call; its replica is replaced, builds a new group and resumes from the last
-    sharded checkpoint, and the run completes with nothing trained twice."""
+    """An async run with the Actor's service owning a 2-rank group, which is one fault domain: a
+    rank process killed mid-run (SIGKILL, a real process death) fails the Actor's next call; its
+    replica is replaced, builds a new group and resumes from the last sharded checkpoint, and the
+    run completes with nothing trained twice and the engines on the last published version."""
     from tests.system.test_fault_tolerance import paced_async_config, recovered_globally
 
     config = paced_async_config(tiny_path, tmp_path, train__checkpoint_every=4, resources__actor=TWO_RANKS)
@@ -82,3 +73,5 @@ def test_a_dead_rank_fails_its_group_and_the_actor_recovers_globally(tiny_path, 
     assert killed
     health, _ = recovered_globally(run_dir, "actor")
     assert health["weights"]["rollbacks"][0][1] in (4, 8)  # back to a sharded checkpoint
+    assert read_metrics(run_dir)[-1]["eval_weight_version"] == 12  # the engines got the new group's versions
+    assert (run_dir / "checkpoints" / "step_000012" / shard_name(1, 2)).is_file()
