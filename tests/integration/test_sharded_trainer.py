@@ -112,6 +112,14 @@ def test_one_grpo_step_on_two_ranks_equals_one_process(ray_cluster, tiny_path, t
         for part in ("parameters", "gradients", "optimizer"):
             assert abs(sum(r[part] for r in per_rank) - whole[part]) <= 0.01 * whole[part], part
             assert max(r[part] for r in per_rank) <= 0.55 * whole[part], part
+        # and back: a one-process checkpoint (model.safetensors + optimizer.pt) resumes onto 2 ranks
+        one_process = single.save(tmp_path / "one_process", {"loop_step": 2})
+        assert group.load(one_process) == {"loop_step": 2} and group.version == 2
+        assert max_difference(group.weights(), single.weights()) == 0.0
+        last = batch(6, seed=2)
+        train_one_step(single, last, 3)
+        train_one_step(group, last, 3)
+        assert max_difference(group.weights(), single.weights()) < TOLERANCE
     finally:
         group.close()
 

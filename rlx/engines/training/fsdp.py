@@ -168,8 +168,7 @@ class ShardedTrainingEngine(TrainingEngine):
     def load_checkpoint(self, directory: Path) -> dict:
         if is_sharded(directory):
             return load_sharded_checkpoint(self, directory)
-        raise ValueError(f"{directory} is a one-process checkpoint (model.safetensors + optimizer.pt); the "
-                         "sharded engine resumes from sharded ones only: resume it with resources.<role>.ranks=1")
+        return _load_one_process_checkpoint(self, directory)
 
 
 def load_sharded_checkpoint(engine: TrainingEngine, directory: Path) -> dict:
@@ -177,23 +176,42 @@ def load_sharded_checkpoint(engine: TrainingEngine, directory: Path) -> dict:
     each whole tensor is assembled from the slices, then kept whole or re-sliced for this rank.
     Returns the rest of the trainer state."""
     index = read_index(directory)
-    model_state = read_whole(directory, "model/")
-    names = dict(engine.model.named_parameters())
-    missing = names.keys() - model_state.keys()
-    if missing:
-        raise ValueError(f"checkpoint {directory} does not match the model: missing {sorted(missing)[:5]}")
     optim_state: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in read_whole(directory, "optim/").items():
         name, state = key.rsplit("/", 1)
         optim_state.setdefault(name, {})[state] = tensor
-    groups = index["state"]["param_groups"]
-    if len(groups) != 1:
-        raise ValueError(f"{directory}: {len(groups)} optimizer parameter groups; rlx trainers use one")
-    group = {**groups[0], "betas": tuple(groups[0]["betas"]), "params": list(names)}
+    return _restore(engine, directory, read_whole(directory, "model/"), optim_state, index["state"]["param_groups"],
+                    index["state"]["scheduler"])
+
+
+def _load_one_process_checkpoint(engine: TrainingEngine, directory: Path) -> dict:
+    """A one-process trainer's checkpoint onto this rank group: its optimizer state is keyed by the
+    parameters' order, which is `named_parameters()`'s on both sides."""
+    from safetensors.torch import load_file
+
+    saved = torch.load(directory / "optimizer.pt", weights_only=True)
+    names = [name for name, _ in engine.model.named_parameters()]
+    by_index = saved["optimizer"]["state"]
+    optim_state = {name: by_index[i] for i, name in enumerate(names) if i in by_index}
+    return _restore(engine, directory, load_file(directory / "model.safetensors"), optim_state,
+                    saved["optimizer"]["param_groups"], saved["scheduler"])
+
+
+def _restore(engine: TrainingEngine, directory: Path, model_state: dict[str, torch.Tensor],
+             optim_state: dict[str, dict[str, torch.Tensor]], param_groups: list[dict], scheduler: dict) -> dict:
+    """Whole tensors into `engine` (each rank keeps its slices), then its step; returns the rest of
+    the trainer state."""
+    names = dict(engine.model.named_parameters())
+    missing = names.keys() - model_state.keys()
+    if missing:
+        raise ValueError(f"checkpoint {directory} does not match the model: missing {sorted(missing)[:5]}")
+    if len(param_groups) != 1:
+        raise ValueError(f"{directory}: {len(param_groups)} optimizer parameter groups; rlx trainers use one")
+    group = {**param_groups[0], "betas": tuple(param_groups[0]["betas"]), "params": list(names)}
     set_model_state_dict(engine.model, model_state, options=StateDictOptions(full_state_dict=True, strict=False))
     set_optimizer_state_dict(engine.model, engine.optimizer, {"state": optim_state, "param_groups": [group]},
                              options=StateDictOptions(full_state_dict=True))
-    engine.scheduler.load_state_dict(index["state"]["scheduler"])
+    engine.scheduler.load_state_dict(scheduler)
     state = json.loads((directory / "trainer_state.json").read_text())
     engine.step = state.pop("step")
     return state
