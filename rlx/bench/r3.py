@@ -7,7 +7,9 @@ alike). The step time is the whole step (forwards, backward, optimizer). Whole t
 not be identical work once replay changes the update; these steps are, shape for shape. The
 unreplayed extra forward (`routing_mismatch_every`) is off while timing.
 
-The overhead is the median over rounds of each round's time ratio, with a 95% bootstrap interval.
+The overhead is the median over rounds of each round's time ratio, with a 95% bootstrap interval,
+in wall time and in this process's CPU time (all threads): other processes on the machine stretch
+a step's wall time but barely its CPU time, so the CPU-time ratio is the steadier of the two.
 Identical steps on 2 shared cores vary by about 8% each, so a few-percent overhead is resolved by
 many short rounds (a small batch, 80 rounds), not by a few long ones.
 Before timing, one measured step reports the mismatch R3 removes: the share of (position, layer)
@@ -76,18 +78,25 @@ def run_r3_benchmark(work_dir: Path, repeats: int = 80, prompts: int = 2, n: int
     actor = _actor(model_path, micro_batch_size=len(samples), mismatch_every=1)
     measured = actor.train(samples)  # the mismatch step: replayed, plus one unreplayed forward
     actor.config = actor.config.model_copy(update={"routing_mismatch_every": 0})
-    times: dict[bool, list[float]] = {True: [], False: []}
+    wall: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     for round_ in range(repeats):
         for replay in ((True, False) if round_ % 2 else (False, True)):
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             actor.train(samples if replay else unreplayed)
-            times[replay].append(time.perf_counter() - started)
-    ratios = [r3 / off for r3, off in zip(times[True], times[False])]
+            wall[replay].append(time.perf_counter() - started)
+            cpu[replay].append(time.process_time() - started_cpu)
+    ratios = [r3 / off for r3, off in zip(wall[True], wall[False])]
+    cpu_ratios = [r3 / off for r3, off in zip(cpu[True], cpu[False])]
     low, high = ratio_interval(ratios)
+    cpu_low, cpu_high = ratio_interval(cpu_ratios)
     return {
         "model": model, "samples": len(samples), "tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
-        "repeats": repeats, "step_s_r3": statistics.median(times[True]), "step_s_off": statistics.median(times[False]),
+        "repeats": repeats, "step_s_r3": statistics.median(wall[True]), "step_s_off": statistics.median(wall[False]),
         "overhead": statistics.median(ratios) - 1, "overhead_low": low - 1, "overhead_high": high - 1,
+        "cpu_s_r3": statistics.median(cpu[True]), "cpu_s_off": statistics.median(cpu[False]),
+        "cpu_overhead": statistics.median(cpu_ratios) - 1, "cpu_overhead_low": cpu_low - 1,
+        "cpu_overhead_high": cpu_high - 1,
         "route_mismatch_fraction": measured["route_mismatch_fraction"],
         "logprob_gap_r3": measured["rollout_logprob_abs_diff"],
         "logprob_gap_off": measured["rollout_logprob_abs_diff_unreplayed"],
@@ -103,10 +112,13 @@ def format_table(result: dict[str, float | str]) -> str:
         "| | without replay | with R3 |",
         "|---|---|---|",
         f"| median step time | {r['step_s_off']:.2f} s | {r['step_s_r3']:.2f} s |",
+        f"| median CPU time per step (this process, all threads) | {r['cpu_s_off']:.2f} s | {r['cpu_s_r3']:.2f} s |",
         f"| mean \\|rollout - trainer log-prob\\| | {r['logprob_gap_off']:.4f} | {r['logprob_gap_r3']:.4f} |",
         "",
         f"Overhead of R3: **{100 * r['overhead']:+.1f}%** per step (median of per-round ratios; 95% bootstrap "
-        f"interval {100 * r['overhead_low']:+.1f}% to {100 * r['overhead_high']:+.1f}%). Routes where the trainer's "
+        f"interval {100 * r['overhead_low']:+.1f}% to {100 * r['overhead_high']:+.1f}%); in CPU time "
+        f"**{100 * r['cpu_overhead']:+.1f}%** ({100 * r['cpu_overhead_low']:+.1f}% to "
+        f"{100 * r['cpu_overhead_high']:+.1f}%). Routes where the trainer's "
         f"own router would have chosen other experts than the engine: {100 * r['route_mismatch_fraction']:.2f}% of "
         "(position, layer) pairs.",
     ])
