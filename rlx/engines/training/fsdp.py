@@ -116,6 +116,10 @@ class ShardedTrainingEngine(TrainingEngine):
                 total[key] = total.get(key, 0.0) + value
         return total
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        raise RuntimeError("a rank holds slices of the weights: whole weights leave a rank group through "
+                           "weight_buckets (RankGroup.weights and RankGroup.publish)")
+
     def weight_buckets(self, bucket_bytes: int) -> tuple[list[Bucket], list[ray.ObjectRef]]:
         """The whole weights into the object store, one bucket at a time: every rank gathers the
         bucket's tensors and rank 0 puts the packed bucket, so no rank ever holds the whole model
