@@ -51,8 +51,36 @@ class ModelConfig(Section):
     path: str = Field("smollm2-135m-instruct", description="a built-in model name (`rlx models list`) or a HF folder")
 
 
+MEDIA_MODALITIES = ("image", "audio", "video")
+DIGITS_EVAL_SIZE = 500  # the digits' held-out default: 500 of its 1797 images
+
+
+class MediaLimits(Section):
+    """Bounds on the untrusted media data rows point to, checked before anything is decoded."""
+
+    max_pixels: int = Field(16_777_216, gt=0, description="largest image (width x height), read from its header")
+    max_bytes: int = Field(50_000_000, gt=0, description="largest encoded media file or inline bytes")
+    max_frames: int = Field(512, gt=0, description="most video frames (video loading is not built yet)")
+    max_seconds: float = Field(600.0, gt=0, description="longest audio or video (not built yet)")
+    root: str | None = Field(None, description="media paths must resolve (symlinks followed) inside this folder; "
+                             "default: the folder of data.path")
+    _data_dir: str | None = PrivateAttr(None)  # set by DataConfig: the default root
+
+    @field_validator("root")
+    @classmethod
+    def _absolute(cls, root: str | None) -> str | None:
+        """Absolute once, here: a process started in another working directory checks the same folder."""
+        return None if root is None else str(Path(root).expanduser().resolve())
+
+    @property
+    def root_dir(self) -> Path:
+        """The folder media paths must stay in: `root`, else data.path's folder, else the working directory."""
+        return Path(self.root or self._data_dir or ".").resolve()
+
+
 class DataConfig(Section):
-    source: Literal["reasoning_gym", "jsonl", "parquet"] = "reasoning_gym"
+    source: Literal["reasoning_gym", "jsonl", "parquet", "digits"] = Field(
+        "reasoning_gym", description="digits: scikit-learn's 1797 8x8 digit images (pip install 'rlx[media]')")
     task: str = Field("chain_sum", description="reasoning-gym task name when source=reasoning_gym")
     task_params: dict[str, Any] = Field(default_factory=dict)
     train_size: int = Field(5000, gt=0)
@@ -66,11 +94,42 @@ class DataConfig(Section):
     apply_chat_template: bool = True
     max_prompt_tokens: int = Field(512, gt=0)
     seed: int = 0
+    media_keys: dict[str, str] = Field(default_factory=dict, description="modality -> row key of its media, e.g. "
+                                       "{image: images}; empty: text-only rows")
+    media_limits: MediaLimits = Field(default_factory=MediaLimits)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _digits_eval_default(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and raw.get("source") == "digits" and "eval_size" not in raw:
+            return {**raw, "eval_size": DIGITS_EVAL_SIZE}
+        return raw
+
+    @field_validator("media_keys")
+    @classmethod
+    def _known_modalities(cls, keys: dict[str, str]) -> dict[str, str]:
+        for modality, key in keys.items():
+            if modality not in MEDIA_MODALITIES:
+                raise ValueError(f"{modality!r} is not a modality; use {', '.join(MEDIA_MODALITIES)}")
+            if not key:
+                raise ValueError(f"the row key of {modality!r} is empty; name the field that holds its media")
+        return keys
 
     @model_validator(mode="after")
     def _file_sources_need_a_path(self) -> DataConfig:
         if self.source in ("jsonl", "parquet") and not self.path:
             raise ValueError(f"data.path is required when data.source={self.source!r}; set data.path=<file>")
+        return self
+
+    @property
+    def has_media(self) -> bool:
+        """Rows carry media: the run needs a media processor and the bus a media field."""
+        return bool(self.media_keys) or self.source == "digits"
+
+    @model_validator(mode="after")
+    def _default_media_root(self) -> DataConfig:
+        """Media paths default to staying beside the data file; absolute, like `root` (see MediaLimits)."""
+        self.media_limits._data_dir = str(Path(self.path).parent.resolve()) if self.path else None
         return self
 
 
@@ -354,6 +413,10 @@ class TrainConfig(Section):
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = Field(1.0, gt=0.0)
     micro_batch_size: int = Field(16, ge=1)
+    trainable: list[str] = Field(
+        default_factory=list, description="parameter-name patterns (fnmatch) the trainer updates, the rest frozen; "
+        "empty: all. e.g. ['model.vision_tower.*', 'model.multi_modal_projector.*'] trains a LLaVA model's vision "
+        "side on a frozen language model")
     activation_checkpointing: bool = Field(
         False, description="recompute each layer's activations during backward instead of keeping them: less "
         "memory for about one more forward of compute (R3 routes stay in force for the recomputation)")
@@ -552,6 +615,12 @@ SHARDABLE_ROLES = ("actor", "critic", "reference", "teacher")
 def choice_conflicts(c: RunConfig) -> list[str]:
     """Algorithm, role and reward choices that cannot work together, each with its fix."""
     a, problems = c.algorithm, []
+    if c.data.has_media and c.rollout.engine != "hf":
+        problems.append(f"media rows (data.media_keys / data.source={c.data.source}) go through rlx's own processor "
+                        f"into the hf engine only; rollout.engine={c.rollout.engine} takes text: set rollout.engine=hf")
+    if c.data.has_media and (c.rollout.agent is not None or c.rollout.agent_app is not None):
+        problems.append("media rows are single-turn for now: unset rollout.agent / rollout.agent_app, or drop "
+                        "data.media_keys")
     if a.advantage == "none" and not c.uses_teacher:
         problems.append("algorithm.advantage=none trains on nothing without a teacher: set teacher.path=<model> "
                         "for on-policy distillation, or pick an advantage such as grpo")

@@ -19,3 +19,11 @@ def tiny(tiny_path):
     """A fresh (model, tokenizer) pair; tests may train or mutate it."""
     torch.manual_seed(0)
     return load_pretrained(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_path(tmp_path_factory):
+    """A tiny LLaVA: the tiny-char Llama with a one-layer CLIP tower for 8x8 images (4 tokens each)."""
+    from rlx.models.vision import build_tiny_vision
+
+    return build_tiny_vision(tmp_path_factory.mktemp("models") / "tiny-vision")

@@ -42,6 +42,10 @@ class BusIndex:
         self.next_row_id = 0
         self.stats: Counter = Counter()
         self.rows_per_group: Counter = Counter()  # rows ever added, per group
+        self.live_per_group: Counter = Counter()  # rows on the bus now, per group
+        # fields stored once per group and read by each of its rows (scope "group": e.g. media inputs)
+        self.group_values: dict[int, dict[str, Any]] = {}
+        self.group_rows: dict[int, int] = {}  # how many rows each group with shared fields will have
         # per task seen so far: the rows it has not consumed, so a take never scans consumed rows
         self.open: dict[str, dict[int, None]] = {}
 
@@ -70,6 +74,7 @@ class BusIndex:
         for i, row_id in enumerate(row_ids):
             self.rows[row_id] = Row(row_id, group_ids[i], num_tokens[i], {k: v[i] for k, v in values.items()})
             self.rows_per_group[group_ids[i]] += 1
+            self.live_per_group[group_ids[i]] += 1
             for unconsumed in self.open.values():
                 unconsumed[row_id] = None
         self.stats["rows_added"] += count
@@ -87,6 +92,19 @@ class BusIndex:
             else:
                 self.stats["fields_for_cleared_rows"] += 1
 
+    def add_group_fields(self, group_id: int, values: dict[str, Any], rows: int) -> None:
+        """Fields shared by the group's `rows` rows, stored once: put them before the group's rows
+        (a row is ready for a task only once its group's fields are here too). They leave with the
+        last of those rows, or when the group is abandoned."""
+        self.group_values.setdefault(group_id, {}).update(values)
+        self.group_rows[group_id] = rows
+
+    def _has(self, row: Row, field_name: str) -> bool:
+        return field_name in row.values or field_name in self.group_values.get(row.group_id, ())
+
+    def _value(self, row: Row, field_name: str) -> Any:
+        return row.values[field_name] if field_name in row.values else self.group_values[row.group_id][field_name]
+
     # -- reading ---------------------------------------------------------------------------------
     def _unconsumed(self, task: str) -> dict[int, None]:
         if task not in self.open:
@@ -95,8 +113,7 @@ class BusIndex:
 
     def ready(self, task: str, fields: list[str]) -> list[Candidate]:
         """Rows that have every field in `fields` and that `task` has not consumed, oldest first."""
-        ready = [self.rows[r] for r in self._unconsumed(task)
-                 if all(f in self.rows[r].values for f in fields)]
+        ready = [self.rows[r] for r in self._unconsumed(task) if all(self._has(self.rows[r], f) for f in fields)]
         return [Candidate(r.row_id, r.group_id, r.num_tokens) for r in sorted(ready, key=lambda r: r.created_at)]
 
     def take(
@@ -124,7 +141,7 @@ class BusIndex:
         return (row_ids, self.values(row_ids, fields)) if row_ids else None
 
     def values(self, row_ids: list[int], fields: list[str]) -> dict[str, list[Any]]:
-        return {f: [self.rows[r].values[f] for r in row_ids] for f in fields}
+        return {f: [self._value(self.rows[r], f) for r in row_ids] for f in fields}
 
     def release(self, task: str, row_ids: list[int]) -> None:
         """Give rows back to `task` (a consumer died before finishing them)."""
@@ -155,13 +172,16 @@ class BusIndex:
         incomplete = {g for g in group_ids if self.rows_per_group[g] < group_size}
         rows = [r.row_id for r in self.rows.values() if r.group_id in incomplete]
         self.clear(rows)
+        for group in incomplete:
+            self._drop_group_fields(group)
         self.stats["rows_of_abandoned_groups"] += len(rows)
         return sorted(incomplete)
 
     def missing_fields(self, task: str, fields: list[str]) -> dict[str, int]:
         """For a timeout message: per field, how many unconsumed rows still lack it."""
         pending = [r for r in self.rows.values() if task not in r.consumed_by]
-        return {f: sum(f not in r.values for r in pending) for f in fields if any(f not in r.values for r in pending)}
+        missing = {f: sum(not self._has(r, f) for r in pending) for f in fields}
+        return {f: count for f, count in missing.items() if count}
 
     def timeout_message(self, task: str, fields: list[str], batch_size: int, waited: float | None) -> str:
         ready = len(self.ready(task, fields))
@@ -170,13 +190,28 @@ class BusIndex:
 
     # -- housekeeping ----------------------------------------------------------------------------
     def clear(self, row_ids: list[int]) -> list[Any]:
-        """Drop rows; returns their values so the caller can free the storage behind them."""
-        dropped = [v for r in row_ids if r in self.rows for v in self.rows.pop(r).values.values()]
+        """Drop rows (and a group's shared fields with its last row); returns their values so the
+        caller can free the storage behind them."""
+        dropped = []
+        for row_id in row_ids:
+            if (row := self.rows.pop(row_id, None)) is None:
+                continue
+            dropped.extend(row.values.values())
+            group = row.group_id
+            self.live_per_group[group] -= 1
+            if self.live_per_group[group] <= 0:
+                del self.live_per_group[group]
+                if self.rows_per_group[group] >= self.group_rows.get(group, 0):  # none still to come
+                    dropped.extend(self._drop_group_fields(group))
         for unconsumed in self.open.values():
             for row_id in row_ids:
                 unconsumed.pop(row_id, None)
         self.stats["rows_cleared"] += len(row_ids)
         return dropped
+
+    def _drop_group_fields(self, group_id: int) -> list[Any]:
+        self.group_rows.pop(group_id, None)
+        return list(self.group_values.pop(group_id, {}).values())
 
     def clear_consumed(self, tasks: list[str]) -> list[int]:
         """Drop rows every task in `tasks` has consumed; returns their ids."""
@@ -206,6 +241,8 @@ class BusIndex:
             "capacity": self.capacity,
             "next_row_id": self.next_row_id,
             "rows_per_group": dict(self.rows_per_group),
+            "group_values": {g: dict(v) for g, v in self.group_values.items()},
+            "group_rows": dict(self.group_rows),
             "rows": [(r.row_id, r.group_id, r.num_tokens, dict(r.values), sorted(r.consumed_by)) for r in self.rows.values()],
         }
 
@@ -220,21 +257,27 @@ class BusIndex:
         still on the bus again."""
         dropped = set(drop_groups)
         counts = {g: c for g, c in state.get("rows_per_group", {}).items() if g not in dropped}
-        rows = []
+        rows, kept_groups = [], set()
         for row_id, group_id, num_tokens, values, consumed in state["rows"]:
             if group_id in dropped:
                 continue
+            kept_groups.add(group_id)
             kept = [t for t in consumed if t not in retake and (t not in outputs or outputs[t] in values)]
             rows.append((row_id, group_id, num_tokens, values, kept))
-        return {**state, "rows": rows, "rows_per_group": counts}
+        group_values = {g: v for g, v in state.get("group_values", {}).items() if g in kept_groups}
+        group_rows = {g: v for g, v in state.get("group_rows", {}).items() if g in kept_groups}
+        return {**state, "rows": rows, "rows_per_group": counts, "group_values": group_values, "group_rows": group_rows}
 
     @classmethod
     def restore(cls, state: dict[str, Any]) -> BusIndex:
         index = cls(state["capacity"])
         index.next_row_id = state["next_row_id"]
         index.rows_per_group.update(state.get("rows_per_group", {}))
+        index.group_values = {int(g): dict(v) for g, v in state.get("group_values", {}).items()}
+        index.group_rows = {int(g): int(v) for g, v in state.get("group_rows", {}).items()}
         for row_id, group_id, num_tokens, values, consumed in state["rows"]:
             index.rows[row_id] = Row(row_id, group_id, num_tokens, values, set(consumed))
+            index.live_per_group[group_id] += 1
             if "rows_per_group" not in state:
                 index.rows_per_group[group_id] += 1
         return index

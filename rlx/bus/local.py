@@ -52,6 +52,12 @@ class LocalBus:
     def flush(self) -> None:
         """Writes apply at once here; present for the Ray bus's API."""
 
+    def put_group(self, group_id: int, values: dict[str, Any], rows: int) -> None:
+        """Fields shared by the group's `rows` rows, stored once (put before its rows)."""
+        with self.changed:
+            self.index.add_group_fields(group_id, values, rows)
+            self.changed.notify_all()
+
     def put_fields(self, row_ids: list[int], values: dict[str, list]) -> None:
         with self.changed:
             self.index.add_fields(row_ids, values)

@@ -104,6 +104,10 @@ class BusActor:
         ref = ray.put(values)
         return {field: [Stored(ref, i) for i in range(count)] for field in values}
 
+    def _store_one(self, values: dict[str, Any]) -> dict[str, Any]:
+        """`_store` for one row's (or one group's) fields."""
+        return {f: column[0] for f, column in self._store({f: [v] for f, v in values.items()}).items()} if values else {}
+
     def reserve(self, count: int) -> int:
         return self.index.reserve(count)
 
@@ -123,8 +127,9 @@ class BusActor:
                     f"{len(self.index.rows)} of {self.index.capacity} rows (consumers are behind)")
 
     async def apply(self, writes: list[tuple[str, tuple]]) -> list[Exception]:
-        """A client's writes, in order: ("rows", add_rows args), ("fields", (row_ids, values)) or
-        ("clear", (row_ids,)). One failing write does not stop the others; the failures come back."""
+        """A client's writes, in order: ("rows", add_rows args), ("fields", (row_ids, values)),
+        ("group", (group_id, values, rows)) or ("clear", (row_ids,)). One failing write does not stop
+        the others; the failures come back."""
         failures = []
         for kind, args in writes:
             try:
@@ -132,6 +137,8 @@ class BusActor:
                     await self._add_rows(*args)
                 elif kind == "fields":
                     self.index.add_fields(args[0], self._store(args[1]))
+                elif kind == "group":
+                    self.index.add_group_fields(args[0], self._store_one(args[1]), args[2])
                 else:
                     self.index.clear(*args)
             except Exception as exc:  # handed to the client, which raises it
@@ -181,15 +188,15 @@ class BusActor:
 
     def snapshot(self) -> tuple[list[ray.ObjectRef], dict[str, Any]]:
         state, reply = self.index.snapshot(), _Reply()
-        for row in state["rows"]:
-            row[3].update({f: reply.entry(v) for f, v in row[3].items()})
+        for values in [row[3] for row in state["rows"]] + list(state["group_values"].values()):
+            values.update({f: reply.entry(v) for f, v in values.items()})
         return reply.refs, state
 
     async def restore(self, state: dict[str, Any]) -> None:
-        for row in state["rows"]:
-            stored = self._store({f: [v] for f, v in row[3].items()}) if row[3] else {}
-            row[3].clear()
-            row[3].update({f: column[0] for f, column in stored.items()})
+        for values in [row[3] for row in state["rows"]] + list(state.get("group_values", {}).values()):
+            stored = self._store_one(values)
+            values.clear()
+            values.update(stored)
         self.index = BusIndex.restore(state)
         await self._notify()
 
@@ -287,6 +294,10 @@ class Bus:
         check_columns(values, len(row_ids))
         self._write("fields", (row_ids, pack(values)))
 
+    def put_group(self, group_id: int, values: dict[str, Any], rows: int) -> None:
+        """Fields shared by the group's `rows` rows, stored once (put before its rows)."""
+        self._write("group", (group_id, values, rows))
+
     def clear(self, row_ids: list[int]) -> None:
         """Drop rows (applied in order with this client's other writes)."""
         self._write("clear", (row_ids,))
@@ -348,8 +359,8 @@ class Bus:
         self.flush()
         refs, state = ray.get(self.actor.snapshot.remote())
         objects = ray.get(refs)
-        for row in state["rows"]:
-            row[3].update({f: _own(objects[v.ref][f][v.position]) for f, v in row[3].items() if isinstance(v, Stored)})
+        for values in [row[3] for row in state["rows"]] + list(state["group_values"].values()):
+            values.update({f: _own(objects[v.ref][f][v.position]) for f, v in values.items() if isinstance(v, Stored)})
         return state
 
     def restore(self, state: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Datasets: prompt rows from files or reasoning-gym, their order, and their tokenisation."""
+"""Datasets: prompt rows from files, reasoning-gym or scikit-learn's digits, their order, and their tokenisation."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from rlx.config import DataConfig
+from rlx.data.digits import digits_splits
 from rlx.data.files import load_rows
 from rlx.data.gym import gym_splits
 from rlx.data.prompts import check_prompt_lengths, prompt_token_ids
@@ -33,7 +34,9 @@ def load_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase | None = 
 def _read_splits(config: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
     if config.source == "reasoning_gym":
         return gym_splits(config.task, config.task_params, config.train_size, config.eval_size, config.seed)
-    keys = (config.prompt_key, config.label_key, config.metadata_key)
+    if config.source == "digits":
+        return digits_splits(config.train_size, config.eval_size, config.seed)
+    keys = (config.prompt_key, config.label_key, config.metadata_key, config.media_keys, config.media_limits)
     train = load_rows(config.path, config.source, *keys)
     held_out = load_rows(config.eval_path, config.source, *keys)[: config.eval_size] if config.eval_path else []
     return train, held_out

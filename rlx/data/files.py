@@ -9,11 +9,14 @@ a Parquet file or row group that cannot be decoded.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.data.rows import DataError, PromptRow, listing, validate_row
+
+if TYPE_CHECKING:
+    from rlx.config import MediaLimits
 
 
 def _decode(raw: bytes, number: int) -> str:
@@ -79,8 +82,10 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
         first += count
 
 
-def load_rows(path: str | Path, fmt: str, prompt_key: str, label_key: str, metadata_key: str) -> list[PromptRow]:
-    """Load every row, or raise one DataError listing the bad rows (file and line of each)."""
+def load_rows(path: str | Path, fmt: str, prompt_key: str, label_key: str, metadata_key: str,
+              media_keys: Mapping[str, str] | None = None, limits: MediaLimits | None = None) -> list[PromptRow]:
+    """Load every row, or raise one DataError listing the bad rows (file and line of each). Media
+    paths in the rows resolve from the file's folder (see validate_row)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"data file {str(path)!r} does not exist (check data.path / data.eval_path)")
@@ -90,7 +95,8 @@ def load_rows(path: str | Path, fmt: str, prompt_key: str, label_key: str, metad
         try:
             if isinstance(record, DataError):
                 raise record
-            rows.append(validate_row(record, where, prompt_key, label_key, metadata_key))
+            rows.append(validate_row(record, where, prompt_key, label_key, metadata_key, media_keys, limits,
+                                     path.parent))
         except DataError as exc:
             errors.append(str(exc))
     if errors:

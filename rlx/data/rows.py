@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from rlx.data.media import check_placeholders, row_media
 from rlx.errors import DataError
+from rlx.media.loading import MediaItem
+
+if TYPE_CHECKING:
+    from rlx.config import MediaLimits
 
 Messages = list[dict[str, str]]
 MAX_REPORTED = 10  # problems listed in one error; the rest are counted
@@ -28,6 +35,8 @@ class PromptRow:
     label: str
     metadata: dict[str, Any] = field(default_factory=dict)
     source: str = field(default="", compare=False)  # where it came from (file:line), for error messages
+    # modality -> its items, in placeholder order; decoded lazily (rlx.media.loading.load_image)
+    media: dict[str, tuple[MediaItem, ...]] = field(default_factory=dict, compare=False)
 
     @property
     def question(self) -> str:
@@ -49,8 +58,15 @@ def listing(problems: list[str]) -> str:
     return shown + more
 
 
-def validate_row(raw: Any, where: str, prompt_key: str, label_key: str, metadata_key: str) -> PromptRow:
-    """Turn one parsed record into a PromptRow or raise a DataError naming `where` (file:line)."""
+def validate_row(raw: Any, where: str, prompt_key: str, label_key: str, metadata_key: str,
+                 media_keys: Mapping[str, str] | None = None, limits: MediaLimits | None = None,
+                 base_dir: Path | None = None) -> PromptRow:
+    """Turn one parsed record into a PromptRow or raise a DataError naming `where` (file:line).
+
+    With `media_keys` (modality -> field), the row's media is checked too (rlx.data.media): paths
+    resolve from `base_dir` (the data file's folder) and must stay inside `limits.root_dir`, and
+    every modality's placeholders must match its items. Without it, rows are text-only and
+    placeholders are left alone."""
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected an object with {prompt_key!r} and {label_key!r}, got {type(raw).__name__}")
     if prompt_key not in raw:
@@ -75,7 +91,15 @@ def validate_row(raw: Any, where: str, prompt_key: str, label_key: str, metadata
     if (path := _not_json(metadata, metadata_key)) is not None:
         raise DataError(f"{where}: {path} is not JSON data (str, number, bool, null, list, object): metadata travels "
                         "with every sample and into checkpoints; store it as a string or a number")
-    return PromptRow(prompt=prompt, label=str(label), metadata=dict(metadata), source=where)
+    media: dict[str, tuple[MediaItem, ...]] = {}
+    if media_keys:
+        if limits is None:
+            from rlx.config import MediaLimits
+
+            limits = MediaLimits()
+        media = row_media(raw, where, media_keys, limits, base_dir or Path("."))
+        check_placeholders(prompt, media, where, media_keys)
+    return PromptRow(prompt=prompt, label=str(label), metadata=dict(metadata), source=where, media=media)
 
 
 def _not_json(value: Any, path: str) -> str | None:

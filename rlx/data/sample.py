@@ -24,6 +24,7 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     loss_mask: list[float] | None = None  # 0 on tokens the policy did not generate (tool results, feedback)
     routed_experts: Any = None  # MoE: the experts the engine chose per position (int16 tensor, rlx.models.moe)
+    media_inputs: dict[str, Any] | None = None  # the prompt's media as model inputs: one object per group
     agent_stats: dict[str, Any] | None = None  # multi-turn rollouts: turns, tool calls, masked tokens
     reward: float | None = None
     reward_error: str | None = None

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from rlx.models import smollm2, tiny, upcycle
+from rlx.models import smollm2, tiny, upcycle, vision
 
 CACHE_DIR = Path.home() / ".cache" / "rlx" / "models"
 
@@ -34,6 +34,13 @@ BUILTIN_MODELS = {
             "x (1 + 1% noise), small random router, seed 0)",
             lambda: smollm2.gguf_path() is not None,
             upcycle.build,
+        ),
+        BuiltinModel(
+            "smollm2-135m-vision",
+            "LLaVA: smollm2-135m-instruct with a one-layer CLIP tower for 8x8 images (4 image tokens each) and "
+            "a projector, both random init (seed 0); train them with model.trainable, the language model frozen",
+            lambda: smollm2.gguf_path() is not None,
+            vision.build_smollm2_vision,
         ),
         BuiltinModel("tiny-char", "2-layer Llama, 64 wide, character tokenizer (random init)", lambda: True, tiny.build_tiny),
         BuiltinModel("tiny-moe", "2-layer Qwen3-MoE, 64 wide, 8 experts top-2, character tokenizer (random init)",
@@ -80,12 +87,14 @@ def load_tokenizer(path: Path):
 
 
 def load_pretrained(path: Path, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) from a Hugging Face folder."""
+    """(model, tokenizer) from a Hugging Face folder: a causal LM, or an image-text-to-text model
+    (one with a `vision_config`, e.g. LLaVA or Qwen-VL) whose forward also takes media."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True).to(device)
+    auto = AutoModelForImageTextToText if hasattr(AutoConfig.from_pretrained(path), "vision_config") else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True).to(device)
     return model, tokenizer
 
 

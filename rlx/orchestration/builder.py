@@ -44,6 +44,7 @@ from rlx.weights.buckets import flatten_parameters
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from rlx.media.processor import MediaProcessor
     from rlx.orchestration.rank_group import RankGroup
 
 
@@ -92,7 +93,18 @@ def build_rollout(config: RunConfig, path: Path) -> Rollout:
         from rlx.agents.app_rollout import AgentAppRollout
 
         return AgentAppRollout(engine, tokenizer, r.agent_app, r.agent_app_timeout_s, r.max_batch_size)
-    return Rollout(engine, tokenizer)
+    return Rollout(engine, tokenizer, media_processor(config, path))
+
+
+def media_processor(config: RunConfig, path: Path) -> MediaProcessor | None:
+    """The processor that turns a row's media into the model's inputs; None for a text-only run."""
+    if not config.data.has_media:
+        return None
+    from transformers import AutoConfig
+
+    from rlx.media.processor import processor_for
+
+    return processor_for(AutoConfig.from_pretrained(path), config.data.media_limits)
 
 
 def build_genrm(config: RunConfig) -> GenRM:
@@ -347,7 +359,8 @@ def rollout_worker(config: RunConfig, plan: RolePlan, rollout: Rollout, bus, sou
     return RolloutWorker(rollout, bus, source, prompt_encoder(config, rollout.tokenizer), r.n,
                          lambda first_group: sampling_params(config, seed=seed * 100_003 + first_group),
                          sync_weights, max_batch_size=r.max_batch_size, fields=plan.outputs("rollout"),
-                         refill_dropped=config.algorithm.dynamic_sampling, consumer=consumer)
+                         refill_dropped=config.algorithm.dynamic_sampling, consumer=consumer,
+                         group_fields=plan.group_scoped)
 
 
 def actor_worker(config: RunConfig, plan: RolePlan, actor: Actor, bus, publish: Callable[[], None],

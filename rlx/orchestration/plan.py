@@ -69,6 +69,8 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("agent_stats", ROLLOUT, ("train",), "json"),
     FieldSpec("routed_experts", ROLLOUT, ("reference", "actor_fwd", "train"), "int16", ("S", "L", "K"),
               present_when=lambda c: c.routing_replay == "r3"),
+    FieldSpec("media_inputs", ROLLOUT, TOKEN_CONSUMERS, "media", scope="group",
+              present_when=lambda c: c.data.has_media),
     FieldSpec("behavior_version", ROLLOUT, ("train",), "int64"),
     FieldSpec("last_behavior_version", ROLLOUT, ("train",), "int64"),
     FieldSpec("finish_reason", ROLLOUT, ("train",), "str"),
@@ -144,6 +146,11 @@ class RolePlan:
 
     def outputs(self, task: str) -> list[str]:
         return [f.name for f in self.fields if f.writer == task]
+
+    @property
+    def group_scoped(self) -> frozenset[str]:
+        """The fields stored once per prompt group and shared by its rows."""
+        return frozenset(f.name for f in self.fields if f.scope == "group")
 
     def field(self, name: str) -> FieldSpec:
         return next(f for f in self.fields if f.name == name)

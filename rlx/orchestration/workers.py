@@ -370,9 +370,12 @@ class RolloutWorker(Worker):
 
     def __init__(self, role: Rollout, bus, source: PromptSource, encode: Callable[[PromptRow], list[int]], n: int,
                  sampling: Callable[[int], SamplingParams], sync_weights: Callable[[], Any], max_batch_size: int,
-                 fields: list[str], refill_dropped: bool = False, consumer: str = "rollout") -> None:
+                 fields: list[str], refill_dropped: bool = False, consumer: str = "rollout",
+                 group_fields: frozenset[str] = frozenset()) -> None:
+        """`group_fields`: those of `fields` stored once per group on the bus (e.g. media inputs)."""
         super().__init__("rollout")
-        self.fields = fields
+        self.fields = [name for name in fields if name not in group_fields]
+        self.group_fields = [name for name in fields if name in group_fields]
         self.role, self.bus, self.source, self.encode, self.n = role, bus, source, encode, n
         self.sampling, self.sync_weights, self.max_batch_size = sampling, sync_weights, max_batch_size
         self.refill_dropped, self.consumer = refill_dropped, consumer
@@ -411,6 +414,9 @@ class RolloutWorker(Worker):
         with SPANS.span("generate", self.name, groups=len(groups)) as span:  # a whole stream: async, one per run
             for sample in self.role.generate(groups, self.n, params, more_groups=self.admit if continuous else None,
                                              between_steps=self._between_steps if continuous else None):
+                if self.group_fields and self._pending[sample.group_id] == self.n:  # the group's first sample
+                    self.bus.put_group(sample.group_id, {name: getattr(sample, name) for name in self.group_fields},
+                                       rows=self.n)
                 self.bus.put({name: [getattr(sample, name)] for name in self.fields}, group_ids=[sample.group_id],
                              num_tokens=[sample_tokens(sample)])
                 self._pending[sample.group_id] -= 1

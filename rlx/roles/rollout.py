@@ -6,22 +6,37 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from rlx.data.rows import PromptRow
+from rlx.data.rows import DataError, PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import GenerationEngine, GenerationRequest, SamplingParams
+from rlx.media.inputs import MediaInputs
 from rlx.obs.timeline import SPANS
 
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
     from transformers import PreTrainedTokenizerBase
 
+    from rlx.media.processor import MediaProcessor
+
 Group = tuple[int, PromptRow, list[int]]  # (group id, prompt row, prompt token ids)
 
 
 class Rollout:
-    def __init__(self, engine: GenerationEngine, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, engine: GenerationEngine, tokenizer: PreTrainedTokenizerBase,
+                 processor: MediaProcessor | None = None) -> None:
+        """`processor`: turns a row's media into model inputs (multimodal models), once per group."""
         self.engine = engine
         self.tokenizer = tokenizer
+        self.processor = processor
         self._uids = itertools.count()
+
+    def prepare(self, row: PromptRow, prompt_ids: list[int]) -> tuple[list[int], MediaInputs | None]:
+        """The prompt as the engine takes it: media placeholders expanded, media as model inputs."""
+        if not row.media:
+            return prompt_ids, None
+        if self.processor is None:
+            raise DataError(f"{row.source}: the row carries media but the rollout has no media processor "
+                            "(set data.media_keys and use a model that takes media)")
+        return self.processor(prompt_ids, row)
 
     def generate(
         self,
@@ -36,22 +51,23 @@ class Rollout:
         `more_groups(max_groups)` lets the engine pull new groups into free batch slots
         (continuous batching across steps in async mode).
         """
-        owners: dict[int, tuple[int, PromptRow]] = {}
+        owners: dict[int, tuple[int, PromptRow, MediaInputs | None]] = {}
 
         def requests_for(new_groups: list[Group]) -> list[GenerationRequest]:
             out = []
             for group_id, row, prompt_ids in new_groups:
+                prompt_ids, media = self.prepare(row, prompt_ids)  # once per group: its samples share it
                 for _ in range(n):
                     uid = next(self._uids)
-                    out.append(GenerationRequest(request_id=uid, prompt_ids=prompt_ids))
-                    owners[uid] = (group_id, row)
+                    out.append(GenerationRequest(request_id=uid, prompt_ids=prompt_ids, media=media))
+                    owners[uid] = (group_id, row, media)
             return out
 
         refill = None
         if more_groups is not None:
             refill = lambda free_slots: requests_for(more_groups(free_slots // n))
         for result in self.engine.stream(requests_for(groups), params, refill=refill, between_steps=between_steps):
-            group_id, row = owners.pop(result.request_id)
+            group_id, row, media = owners.pop(result.request_id)
             yield Sample(
                 uid=result.request_id,
                 group_id=group_id,
@@ -66,6 +82,7 @@ class Rollout:
                 label=row.label,
                 metadata=row.metadata,
                 routed_experts=result.routed_experts,
+                media_inputs=media,
             )
 
     @property

@@ -93,3 +93,21 @@ def test_snapshot_and_restore_keep_fields_and_consumption(bus):
     again, _ = bus.get("reward", ["response_ids"], 1, timeout=5)  # consumption state survived
     assert again == rows[1:]
     bus.clear(rows)
+
+
+def test_group_fields_are_one_object_for_all_rows_and_survive_a_snapshot(bus):
+    media = {"pixel_values": torch.randn(64, 3, 32, 32)}  # 786 kB: through the object store
+    bus.put_group(9, {"media_inputs": media}, rows=3)
+    rows = bus.put({"response_ids": [[1], [2], [3]]}, group_ids=[9] * 3)
+    got, values = bus.get("train", ["response_ids", "media_inputs"], 3, timeout=5)
+    shared = values["media_inputs"]
+    assert got == rows and torch.equal(shared[0]["pixel_values"], media["pixel_values"])
+    assert shared[0] is shared[1] is shared[2]  # one object fetched once, not three copies
+    state = bus.snapshot()
+    assert torch.equal(state["group_values"][9]["media_inputs"]["pixel_values"], media["pixel_values"])
+    bus.clear(rows)
+    assert bus.snapshot()["group_values"] == {}  # gone with the group's last row
+    bus.restore(state)
+    _, again = bus.get("reward", ["media_inputs"], 3, timeout=5)
+    assert torch.equal(again["media_inputs"][2]["pixel_values"], media["pixel_values"])
+    bus.clear(rows)

@@ -125,5 +125,19 @@ def test_every_field_has_a_schema_and_token_fields_say_so():
     by_name = {f.name: f for f in FIELDS}
     assert by_name["loss_mask"].token_aligned and by_name["ref_logprobs"].token_aligned
     assert not by_name["reward"].token_aligned and by_name["prompt_ids"].shape == ("P",)
-    assert {f.scope for f in FIELDS} == {"row"}
+    assert [f.name for f in FIELDS if f.scope == "group"] == ["media_inputs"]  # one per prompt group
     assert len(by_name) == len(FIELDS)  # each field declared once
+
+
+def test_media_rows_add_one_group_scoped_field_read_by_every_token_role():
+    plan = plan_of(data={"source": "digits"}, reward={"name": "exact_match"}, algorithm={"kl_coef": 0.1})
+    assert plan.group_scoped == {"media_inputs"}
+    assert "media_inputs" in plan.outputs("rollout")
+    assert all("media_inputs" in plan.inputs(task) for task in ("reference", "train"))
+    assert "media_inputs" not in plan.inputs("reward") + plan.inputs("advantages")
+    assert "media_inputs" not in plan_of().outputs("rollout") and plan_of().group_scoped == frozenset()
+
+
+def test_media_rows_need_the_hf_engine_and_a_single_turn_rollout():
+    with pytest.raises(ConfigError, match="rollout.engine=hf"):
+        build_config({"data": {"source": "digits"}, "reward": {"name": "exact_match"}, "rollout": {"engine": "vllm"}})

@@ -28,6 +28,7 @@ class SamplingParams:
 class GenerationRequest:
     request_id: int
     prompt_ids: list[int]
+    media: dict[str, torch.Tensor] | None = None  # the model's media inputs for this prompt (rlx.media)
 
 
 @dataclass

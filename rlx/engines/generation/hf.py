@@ -25,6 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
 from rlx.engines.generation.kv_cache import GrowingCache
+from rlx.media.inputs import concat_media, media_token_ids
 from rlx.models.moe import MoeRouting, stack_captured
 
 
@@ -46,16 +47,20 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, never: tuple[int, ...] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return it with its log-prob under the temperature-scaled distribution."""
+    """Pick one token per row; return it with its log-prob under the temperature-scaled distribution.
+
+    `never`: tokens that are not sampled (media placeholders), filtered like top-k: their mass stays
+    in the log-probs, which the training engine computes over the whole vocabulary too."""
     logits = logits.float()
+    allowed = logits.index_fill(-1, torch.tensor(never, device=logits.device), float("-inf")) if never else logits
     if params.temperature == 0:
-        tokens = logits.argmax(-1)
+        tokens = allowed.argmax(-1)
         return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
     scaled = logits / params.temperature
     logprobs = torch.log_softmax(scaled, -1)
-    probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+    probs = filter_logits(allowed / params.temperature, params.top_k, params.top_p).softmax(-1)
     tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
@@ -139,6 +144,7 @@ class HFGenerationEngine(StreamingEngine):
     ) -> None:
         self.model = model.eval()
         self._routing = MoeRouting.of(model) if record_routes else None
+        self._never = media_token_ids(model.config)
         self.pad_token_id = pad_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer = tokenizer
@@ -241,10 +247,11 @@ class HFGenerationEngine(StreamingEngine):
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = GrowingCache()
+        media = concat_media([request.media for request in requests], self.device)
         with self._recording() as captured:
             logits = self.model(
                 input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
+                past_key_values=cache, use_cache=True, logits_to_keep=1, **media,
             ).logits[:, -1]
         rows = [_Row(request, self.weight_version) for request in requests]
         if captured:
@@ -270,7 +277,7 @@ class HFGenerationEngine(StreamingEngine):
 
         `shrink`: drop finished rows now (nothing waits to take their slots, so the batch only
         shrinks); otherwise they stay, ignored, until slots are refilled in bulk."""
-        tokens, token_logprobs = sample_next(running.logits, params, generator)
+        tokens, token_logprobs = sample_next(running.logits, params, generator, self._never)
         for index, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
             row = running.rows[index]
             if row.done:  # a finished row waiting for the next bulk removal: its token is ignored

@@ -5,7 +5,8 @@ the response tokens are then the columns P-1 .. P+R-2 for every row, so the mode
 last R+1 hidden states onto the vocabulary (`logits_to_keep`), never the prompt's.
 
 A mixture-of-experts batch may carry `routes` `[B, P+R, L, K]`: the experts the rollout engine
-chose for each input column (`rlx.models.moe`), which the forward passes replay (R3).
+chose for each input column (`rlx.models.moe`), which the forward passes replay (R3), and
+`media`: each row's prompt media inputs, which the forward passes hand to the model.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlx.media.inputs import MediaInputs, concat_media
 from rlx.models.moe import NOT_RECORDED, ROUTE_DTYPE
 
 
@@ -26,6 +28,7 @@ class TokenBatch:
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, R] fields (advantages, old logprobs...)
     per_sequence: dict[str, torch.Tensor] = field(default_factory=dict)  # [B] fields
     routes: torch.Tensor | None = None  # [B, P+R, L, K] recorded experts per input column (MoE, R3)
+    media: list[MediaInputs | None] | None = None  # per row: its prompt's media inputs (rlx.media.inputs)
 
     @property
     def size(self) -> int:
@@ -55,7 +58,13 @@ class TokenBatch:
             per_token={k: v[rows][:, :used_response] for k, v in self.per_token.items()},
             per_sequence={k: v[rows] for k, v in self.per_sequence.items()},
             routes=None if self.routes is None else self.routes[rows][:, cols],
+            media=None if self.media is None else _select_rows(self.media, rows),
         )
+
+    @property
+    def media_inputs(self) -> MediaInputs:
+        """The forward's media keyword arguments: every row's, in row order."""
+        return concat_media(self.media or [])
 
     def micro_batches(self, size: int) -> list[TokenBatch]:
         return [self.select(slice(i, i + size)) for i in range(0, self.size, size)]
@@ -69,9 +78,11 @@ def collate(
     per_token: dict[str, list[list[float]]] | None = None,
     per_sequence: dict[str, list[float]] | None = None,
     routes: list[torch.Tensor] | None = None,
+    media: list[MediaInputs | None] | None = None,
 ) -> TokenBatch:
     """`routes`: each sequence's recorded experts `[n, L, K]` from its first token on (n may fall
-    short of the sequence: the rest is routed by the model itself)."""
+    short of the sequence: the rest is routed by the model itself). `media`: each prompt's media
+    inputs (rows of one group share one object: nothing is copied)."""
     batch, prompt_width = len(prompts), max(len(p) for p in prompts)
     width = max(1, max(len(r) for r in responses))
     input_ids = torch.full((batch, prompt_width + width), pad_token_id, dtype=torch.long)
@@ -98,7 +109,15 @@ def collate(
         response_mask=response_mask,
         per_token={k: pad_rows(v) for k, v in (per_token or {}).items()},
         per_sequence={k: torch.tensor(v, dtype=torch.float32) for k, v in (per_sequence or {}).items()},
+        media=list(media) if media is not None and any(media) else None,
     )
+
+
+def _select_rows(items: list, rows: torch.Tensor | slice) -> list:
+    if isinstance(rows, slice):
+        return items[rows]
+    index = rows.nonzero().squeeze(-1) if rows.dtype == torch.bool else rows
+    return [items[i] for i in index.tolist()]
 
 
 def _collate_routes(routes: list[torch.Tensor], prompts: list[list[int]], width: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ micro-batches, then `finish_step()`. `step` counts finished steps (published wei
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import json
 import math
@@ -36,6 +37,21 @@ LossFn = Callable[[TokenBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
+def freeze_all_but(model: PreTrainedModel, patterns: list[str]) -> list[torch.nn.Parameter]:
+    """The parameters whose names match a pattern (all when there is none); the others stop
+    taking gradients, so neither gradients nor optimizer state are kept for them."""
+    if not patterns:
+        return list(model.parameters())
+    named = dict(model.named_parameters())
+    trained = {name for name in named if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)}
+    if not trained:
+        raise ValueError(f"train.trainable={patterns} matches no parameter of the model; its parameters are named "
+                         f"like {list(named)[:3]}")
+    for name, param in named.items():
+        param.requires_grad_(name in trained)
+    return [named[name] for name in named if name in trained]
+
+
 class TrainingEngine:
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: TrainConfig, temperature: float,
@@ -52,7 +68,8 @@ class TrainingEngine:
         # fused: one kernel over all parameters; on CPU about 7x faster than the per-tensor loop
         # (0.18 s against 1.35 s per step for 373M parameters here)
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, fused=True
+            freeze_all_but(model, config.trainable), lr=config.lr, betas=config.betas,
+            weight_decay=config.weight_decay, fused=True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,

@@ -37,6 +37,7 @@ def forward_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, **kwar
             attention_mask=batch.attention_mask.to(device),
             position_ids=batch.position_ids.to(device),
             use_cache=False,
+            **{key: value.to(device) for key, value in batch.media_inputs.items()},
             **kwargs,
         ).logits
 
