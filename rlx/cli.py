@@ -215,6 +215,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         table = format_table(run_shards_benchmark())
         command = "rlx bench shards"
+    elif args.what == "mm":
+        from rlx.bench.mm import format_table, run_mm_benchmark
+
+        table = format_table(run_mm_benchmark(repeats=args.repeats))
+        command = f"rlx bench mm --repeats {args.repeats}"
     elif args.what == "r3":
         from rlx.bench.r3 import format_table, run_r3_benchmark
 
@@ -279,10 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side; results go to docs/benchmarks.md")
     bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms", "staleness", "agentic",
-                                          "r3", "shards"])
+                                          "r3", "shards", "mm"])
     bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline, agentic) or per run "
                        "(algorithms, staleness: the same sample budget for every run)")
-    bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus, weights, r3)")
+    bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus, weights, r3, mm)")
     bench.add_argument("--work-dir", default="runs/bench", help="scratch folder for runs and models")
     bench.add_argument("--only", action="append", help="algorithms: run just this one (repeatable); the table "
                        "keeps earlier results found in --work-dir")

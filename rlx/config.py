@@ -60,8 +60,10 @@ class MediaLimits(Section):
 
     max_pixels: int = Field(16_777_216, gt=0, description="largest image (width x height), read from its header")
     max_bytes: int = Field(50_000_000, gt=0, description="largest encoded media file or inline bytes")
-    max_frames: int = Field(512, gt=0, description="most video frames (video loading is not built yet)")
-    max_seconds: float = Field(600.0, gt=0, description="longest audio or video (not built yet)")
+    max_frames: int = Field(768, gt=0, description="most frames a video yields: caps data.video.max_frames; "
+                            "a frame array with more is refused")
+    max_seconds: float = Field(600.0, gt=0, description="longest audio or video, read from its header before "
+                               "decoding")
     root: str | None = Field(None, description="media paths must resolve (symlinks followed) inside this folder; "
                              "default: the folder of data.path")
     _data_dir: str | None = PrivateAttr(None)  # set by DataConfig: the default root
@@ -76,6 +78,23 @@ class MediaLimits(Section):
     def root_dir(self) -> Path:
         """The folder media paths must stay in: `root`, else data.path's folder, else the working directory."""
         return Path(self.root or self._data_dir or ".").resolve()
+
+
+class VideoSampling(Section):
+    """Frames taken from a video file: `fps` frames per second of video time, at least `min_frames`
+    and at most `max_frames`, spread uniformly over the video (Qwen-VL's and Relax's defaults)."""
+
+    fps: float = Field(2.0, gt=0, description="frames per second of video time")
+    min_frames: int = Field(4, gt=0, description="frames of a short video, however short")
+    max_frames: int = Field(768, gt=0, description="frames of a long video, however long (and at most "
+                            "data.media_limits.max_frames)")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> VideoSampling:
+        if self.min_frames > self.max_frames:
+            raise ValueError(f"data.video.min_frames={self.min_frames} is more than data.video.max_frames="
+                             f"{self.max_frames}; lower min_frames or raise max_frames")
+        return self
 
 
 class DataConfig(Section):
@@ -97,6 +116,8 @@ class DataConfig(Section):
     media_keys: dict[str, str] = Field(default_factory=dict, description="modality -> row key of its media, e.g. "
                                        "{image: images}; empty: text-only rows")
     media_limits: MediaLimits = Field(default_factory=MediaLimits)
+    video: VideoSampling = Field(default_factory=VideoSampling)
+    audio_sampling_rate: int = Field(16000, gt=0, description="audio is resampled to this rate (Hz), mono")
 
     @model_validator(mode="before")
     @classmethod

@@ -6,6 +6,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from rlx.config import DataConfig
+from rlx.data.digits import PROMPT as DIGITS_PROMPT
 from rlx.data.digits import digits_splits
 from rlx.data.files import load_rows
 from rlx.data.gym import gym_splits
@@ -35,7 +36,8 @@ def _read_splits(config: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
     if config.source == "reasoning_gym":
         return gym_splits(config.task, config.task_params, config.train_size, config.eval_size, config.seed)
     if config.source == "digits":
-        return digits_splits(config.train_size, config.eval_size, config.seed)
+        return digits_splits(config.train_size, config.eval_size, config.seed,
+                             config.task_params.get("prompt", DIGITS_PROMPT))
     keys = (config.prompt_key, config.label_key, config.metadata_key, config.media_keys, config.media_limits)
     train = load_rows(config.path, config.source, *keys)
     held_out = load_rows(config.eval_path, config.source, *keys)[: config.eval_size] if config.eval_path else []

@@ -35,19 +35,23 @@ def _rgb(image: np.ndarray) -> np.ndarray:
     return rgb
 
 
-def _row(index: int, image: np.ndarray, label: int) -> PromptRow:
-    return PromptRow(prompt=PROMPT, label=str(int(label)), metadata={"dataset": "digits", "index": index},
+def _row(index: int, image: np.ndarray, label: int, prompt: str) -> PromptRow:
+    return PromptRow(prompt=prompt, label=str(int(label)), metadata={"dataset": "digits", "index": index},
                      source=f"scikit-learn digits image {index}",
                      media={"image": (MediaItem("image", array=_rgb(image)),)})
 
 
-def digits_splits(train_size: int, eval_size: int, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
-    """(train, held-out) rows: disjoint, and the same for the same seed and sizes."""
+def digits_splits(train_size: int, eval_size: int, seed: int, prompt: str = PROMPT,
+                  ) -> tuple[list[PromptRow], list[PromptRow]]:
+    """(train, held-out) rows: disjoint, and the same for the same seed and sizes. `prompt`
+    (`data.task_params.prompt`) must hold one `<image>`."""
+    if prompt.count("<image>") != 1:
+        raise DataError(f"data.task_params.prompt={prompt!r} must hold exactly one <image> placeholder")
     if eval_size > MAX_EVAL:
         raise DataError(f"data.eval_size={eval_size} is more than the digits dataset can hold out ({MAX_EVAL} of "
                         f"its 1797 images, so 1200 stay for training); set data.eval_size<={MAX_EVAL}")
     images, labels = _digits()
     order = np.random.default_rng(seed).permutation(len(images))
     held_out, train = order[:eval_size], order[eval_size:][:train_size]
-    rows = [[_row(int(i), images[i], labels[i]) for i in part] for part in (train, held_out)]
+    rows = [[_row(int(i), images[i], labels[i], prompt) for i in part] for part in (train, held_out)]
     return rows[0], rows[1]

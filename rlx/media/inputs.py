@@ -1,9 +1,10 @@
-"""Media inputs as a model's forward takes them, for a batch of rows.
+"""Media inputs as a model's forward takes them, for a batch of rows, and the prompt tokens they fill.
 
 A prompt's media inputs are a dict of tensors (`pixel_values`, `image_grid_thw`, ...) whose first
 dimension runs over its images (or patches); a model scatters the encoded media into the positions
 of its placeholder tokens in the order they occur in the flattened batch. So a batch's inputs are
-each row's, concatenated along dimension 0 in row order; rows without media add nothing.
+each row's, concatenated along dimension 0 in row order; rows without an input add nothing to it
+(a row with images only adds no video inputs).
 """
 
 from __future__ import annotations
@@ -16,18 +17,32 @@ import torch
 MediaInputs = dict[str, torch.Tensor]
 # config attributes that name a placeholder token the model replaces by media features
 PLACEHOLDER_ATTRIBUTES = ("image_token_id", "video_token_id", "audio_token_id", "image_token_index")
+# CLIP's normalisation (OpenAI's statistics): LLaVA's CLIP towers and Qwen2/2.5-VL's are trained with it
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def concat_media(rows: Sequence[MediaInputs | None], device: torch.device | str | None = None) -> MediaInputs:
-    """One forward's media keyword arguments from its rows' (in row order); {} when none has media."""
-    present = [row for row in rows if row]
-    if not present:
-        return {}
-    keys = present[0].keys()
-    if any(row.keys() != keys for row in present):
-        raise ValueError(f"rows of one batch carry different media inputs: {sorted({k for r in present for k in r})}; "
-                         "every prompt of a run must go through the same processor")
-    return {key: torch.cat([row[key] for row in present]).to(device) for key in keys}
+    """One forward's media keyword arguments from its rows' (in row order); {} when none has media.
+    Each input joins the rows that have it: a row's images and another's video both reach the model."""
+    keys = dict.fromkeys(key for row in rows if row for key in row)  # first-seen order, no duplicates
+    return {key: torch.cat([row[key] for row in rows if row and key in row]).to(device) for key in keys}
+
+
+def expand_placeholders(token_ids: Sequence[int], placeholder_id: int, counts: Sequence[int]) -> list[int]:
+    """Replace the i-th single placeholder token with counts[i] copies of it: a model wants one
+    placeholder per feature of the item, a dataset prompt holds one per item."""
+    found = sum(1 for t in token_ids if t == placeholder_id)
+    if found != len(counts):
+        raise ValueError(f"{found} placeholder token(s) (id {placeholder_id}) in the prompt but {len(counts)} "
+                         "media item(s): put exactly one placeholder per image/video, in order")
+    if bad := [c for c in counts if c < 1]:
+        raise ValueError(f"counts {bad} are not positive: each media item stands for at least one token")
+    remaining = iter(counts)
+    out: list[int] = []
+    for t in token_ids:
+        out.extend([t] * next(remaining) if t == placeholder_id else [t])
+    return out
 
 
 def media_token_ids(config: Any) -> tuple[int, ...]:

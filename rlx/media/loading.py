@@ -34,6 +34,8 @@ MediaKind = Literal["image", "audio", "video"]
 MEDIA_KINDS: tuple[MediaKind, ...] = ("image", "audio", "video")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # Pillow decoders tried; no others are exposed
 DIGITS_SCALE_MAX = 16
+LOADERS = {"image": "rlx.media.loading.load_image", "audio": "rlx.media.audio.load_audio",
+           "video": "rlx.media.video.load_video"}  # one per kind, named in errors
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: arrays have no single truth value, so items compare by identity
@@ -64,21 +66,21 @@ def checked_path(path: str | Path, limits: MediaLimits, where: str) -> Path:
                         "move the file under it or set data.media_limits.root to a folder that holds it")
     if not resolved.is_file():
         raise DataError(f"{where}: media file {str(path)!r} does not exist (resolved to {resolved})")
-    _check_bytes(resolved.stat().st_size, limits, where, f"media file {resolved}")
+    check_bytes(resolved.stat().st_size, limits, where, f"media file {resolved}")
     return resolved
 
 
-def _check_bytes(size: int, limits: MediaLimits, where: str, what: str) -> None:
+def check_bytes(size: int, limits: MediaLimits, where: str, what: str) -> None:
     if size > limits.max_bytes:
         raise DataError(f"{where}: {what} has {size} bytes, more than data.media_limits.max_bytes={limits.max_bytes}; "
                         "raise data.media_limits.max_bytes or shrink the file")
 
 
-def _check_pixels(width: int, height: int, limits: MediaLimits, where: str) -> None:
+def check_pixels(width: int, height: int, limits: MediaLimits, where: str, what: str = "image") -> None:
     if width * height > limits.max_pixels:
-        raise DataError(f"{where}: image of {width}x{height} = {width * height} pixels is larger than "
+        raise DataError(f"{where}: {what} of {width}x{height} = {width * height} pixels is larger than "
                         f"data.media_limits.max_pixels={limits.max_pixels}; raise data.media_limits.max_pixels "
-                        "or downscale the image")
+                        f"or downscale the {what}")
 
 
 def checked_image_array(array: np.ndarray, limits: MediaLimits, where: str) -> np.ndarray:
@@ -91,7 +93,7 @@ def checked_image_array(array: np.ndarray, limits: MediaLimits, where: str) -> n
     if array.ndim != 3 or array.shape[2] not in (1, 3, 4) or 0 in array.shape:
         raise DataError(f"{where}: an image array must have shape [H, W] or [H, W, 1|3|4], got {list(array.shape)} "
                         "(a row's single array still goes inside a list)")
-    _check_pixels(array.shape[1], array.shape[0], limits, where)
+    check_pixels(array.shape[1], array.shape[0], limits, where)
     if np.issubdtype(array.dtype, np.floating):
         if not np.isfinite(array).all() or array.min() < 0 or array.max() > 1:
             raise DataError(f"{where}: a float image array must hold values in [0, 1]; scale it, or store 0..255 "
@@ -113,11 +115,22 @@ def _rgb(array: np.ndarray) -> np.ndarray:
     return rgb.copy()  # the caller's own: never a view of an item's (possibly read-only) array
 
 
-def _read_bounded(path: Path, limits: MediaLimits, where: str) -> bytes:
+def read_bounded(path: Path, limits: MediaLimits, where: str) -> bytes:
     with path.open("rb") as handle:  # at most max_bytes + 1: a file grown since its check is still refused
         data = handle.read(limits.max_bytes + 1)
-    _check_bytes(len(data), limits, where, f"media file {path}")
+    check_bytes(len(data), limits, where, f"media file {path}")
     return data
+
+
+def encoded(item: MediaItem, limits: MediaLimits, where: str) -> tuple[bytes, str]:
+    """A path or bytes item's encoded bytes, bounded by max_bytes, and the name its errors give it.
+    Paths are checked against the root again here: a row loaded earlier may point at a file that has
+    since changed."""
+    if item.path is not None:
+        path = checked_path(item.path, limits, where)
+        return read_bounded(path, limits, where), f"{item.kind} file {path}"
+    check_bytes(len(item.data), limits, where, f"inline {item.kind}")
+    return item.data, f"inline {item.kind}"
 
 
 def _decode_image(data: bytes, limits: MediaLimits, where: str, what: str) -> np.ndarray:
@@ -134,7 +147,7 @@ def _decode_image(data: bytes, limits: MediaLimits, where: str, what: str) -> np
         raise DataError(f"{where}: {what} is not a decodable image ({' '.join(str(exc).split())}); "
                         f"rlx reads {', '.join(IMAGE_FORMATS)}") from None
     with image:
-        _check_pixels(image.width, image.height, limits, where)
+        check_pixels(image.width, image.height, limits, where)
         try:
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
         except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
@@ -144,14 +157,11 @@ def _decode_image(data: bytes, limits: MediaLimits, where: str, what: str) -> np
 
 def load_image(item: MediaItem, limits: MediaLimits, where: str) -> np.ndarray:
     """The item's pixels as uint8 RGB [H, W, 3]; an unsafe or undecodable item raises a DataError
-    naming `where` (the row's file:line). Paths are checked against the root again here: a row
-    loaded earlier may point at a file that has since changed."""
+    naming `where` (the row's file:line)."""
     if item.kind != "image":
-        raise DataError(f"{where}: load_image got a {item.kind} item; only images are decoded for now")
+        raise DataError(f"{where}: load_image decodes only images, not {item.kind}; use "
+                        f"{LOADERS[item.kind]}")
     if item.array is not None:
         return _rgb(checked_image_array(np.asarray(item.array), limits, where))
-    if item.path is not None:
-        path = checked_path(item.path, limits, where)
-        return _decode_image(_read_bounded(path, limits, where), limits, where, f"image file {path}")
-    _check_bytes(len(item.data), limits, where, "inline image")
-    return _decode_image(item.data, limits, where, "inline image")
+    data, what = encoded(item, limits, where)
+    return _decode_image(data, limits, where, what)

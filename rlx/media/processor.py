@@ -1,47 +1,37 @@
 """rlx's own media processor: a prompt row's media -> the model's inputs, placeholders expanded.
 
 A dataset prompt holds one placeholder token per media item (`<image>`); the model wants as many
-placeholder tokens as the item has features, and the item's pixels in its own layout. The
-processor does both, once per prompt group (the rollout hands the result to all of the group's
-samples). It is built from the model's config, never from `AutoProcessor` (whose image and video
-processors need torchvision), so what it produces is checked against the architecture itself.
+placeholder tokens as the item has features (Qwen-VL: inside vision start/end markers), and the
+item's pixels in its own layout. The processor does both, once per prompt group (the rollout hands
+the result to all of the group's samples). It is built from the model's config, never from
+`AutoProcessor` (whose image and video processors need torchvision), so what it produces is checked
+against the architecture itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from rlx.errors import DataError
-from rlx.media.inputs import MediaInputs
+from rlx.media.inputs import CLIP_MEAN, CLIP_STD, MediaInputs, expand_placeholders
 
 if TYPE_CHECKING:
     from rlx.config import MediaLimits
     from rlx.data.rows import PromptRow
+    from rlx.media.loading import MediaItem
 
-# CLIP's normalisation (OpenAI's statistics), which LLaVA's CLIP towers are trained with
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# a video item -> its (sampled) frames, uint8 [H, W, 3] each
+VideoLoader = Callable[["MediaItem", "MediaLimits", str], list[np.ndarray]]
+QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 class MediaProcessor(Protocol):
     def __call__(self, prompt_ids: list[int], row: PromptRow) -> tuple[list[int], MediaInputs]:
         """The prompt's token ids with each placeholder expanded, and its media as model inputs."""
-
-
-def expand_placeholders(token_ids: Sequence[int], placeholder_id: int, counts: Sequence[int]) -> list[int]:
-    """Replace the i-th `placeholder_id` by `counts[i]` copies of it; the numbers must agree."""
-    found = sum(token == placeholder_id for token in token_ids)
-    if found != len(counts):
-        raise ValueError(f"{found} placeholder token(s) {placeholder_id} in the prompt for {len(counts)} media item(s)")
-    out: list[int] = []
-    items = iter(counts)
-    for token in token_ids:
-        out.extend([token] * next(items) if token == placeholder_id else [token])
-    return out
 
 
 class LlavaImageProcessor:
@@ -83,10 +73,58 @@ class LlavaImageProcessor:
         return ids, {"pixel_values": torch.stack([self.pixels(image) for image in images])}
 
 
+class QwenVLProcessor:
+    """Images and videos for a Qwen-VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), as its own processor
+    prepares them (rlx.media.qwen_vl): patches, grids, and each placeholder turned into the block the
+    family's processor writes (vision start marker, one placeholder per merged patch, end marker).
+
+    The prompt holds one image placeholder token (`<|image_pad|>`) per image and one video placeholder
+    (`<|video_pad|>`) per video, alone or already between the vision start/end markers. Videos are read
+    by `load_video` (default `rlx.media.video.load_video`), frames already sampled."""
+
+    def __init__(self, config: Any, limits: MediaLimits, load_video: VideoLoader | None = None) -> None:
+        from rlx.media.qwen_vl import QwenVisionSpec
+
+        self.spec, self.limits, self._load_video = QwenVisionSpec.from_model_config(config), limits, load_video
+
+    def _video(self, item: MediaItem, where: str) -> list[np.ndarray]:
+        if self._load_video is None:
+            from rlx.media.video import load_video
+
+            self._load_video = load_video
+        return self._load_video(item, self.limits, where)
+
+    def __call__(self, prompt_ids: list[int], row: PromptRow) -> tuple[list[int], MediaInputs]:
+        from rlx.media.loading import load_image
+        from rlx.media.qwen_vl import expand_media, image_inputs, video_inputs
+
+        unsupported = sorted(kind for kind, items in row.media.items() if items and kind not in ("image", "video"))
+        if unsupported:
+            raise DataError(f"{row.source}: this model ({self.spec.family}) reads images and videos; the row carries "
+                            f"{unsupported}: drop those data.media_keys or use a model that takes them")
+        images = [load_image(item, self.limits, row.source) for item in row.media.get("image", ())]
+        videos = [self._video(item, row.source) for item in row.media.get("video", ())]
+        try:
+            inputs = {**(image_inputs(images, self.spec) if images else {}),
+                      **(video_inputs(videos, self.spec) if videos else {})}
+        except ValueError as exc:  # an image or video the family refuses (aspect ratio, too few frames)
+            raise DataError(f"{row.source}: {exc}") from None
+        try:
+            ids = expand_media(prompt_ids, self.spec, inputs.get("image_grid_thw"), inputs.get("video_grid_thw"))
+        except ValueError as exc:
+            raise DataError(f"{row.source}: {exc}. Each <image> (<video>) of the prompt must reach the model as "
+                            f"one token {self.spec.image_token_id} ({self.spec.video_token_id}), the model's "
+                            "<|image_pad|> (<|video_pad|>)") from None
+        return ids, inputs
+
+
 def processor_for(config: Any, limits: MediaLimits) -> MediaProcessor:
     """The processor for a model's config (`transformers` config object); a clear error for a
     model rlx cannot feed media to."""
     if config.model_type == "llava":
         return LlavaImageProcessor(config, limits)
+    if config.model_type in QWEN_VL_MODEL_TYPES:
+        return QwenVLProcessor(config, limits)
     raise ValueError(f"model type {config.model_type!r} takes no media in rlx (data.media_keys is set): "
-                     "supported are LLaVA models (e.g. the built-in smollm2-135m-vision)")
+                     "supported are LLaVA models (e.g. the built-in smollm2-135m-vision) and "
+                     f"{', '.join(QWEN_VL_MODEL_TYPES)}")

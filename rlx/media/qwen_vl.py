@@ -3,7 +3,8 @@
 The output matches transformers' Qwen2-VL image processor (PIL backend): PIL bicubic resize to a size
 `smart_resize` picks, rescale by 1/255, normalise, then patches in the order the vision tower unfolds
 them (merge windows first, then channel, time, patch rows, patch columns). Each image or video then
-stands for t*h*w // merge_size**2 placeholder tokens in the prompt; `expand_placeholders` writes them.
+stands for t*h*w // merge_size**2 placeholder tokens in the prompt; `expand_media` writes them, inside
+the vision start/end markers the family's chat template puts around each item.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+from rlx.media.inputs import CLIP_MEAN, CLIP_STD
+
 HALF = (0.5, 0.5, 0.5)
 
 # Processor defaults per family. Qwen2-VL and Qwen2.5-VL share transformers' Qwen2VLImageProcessor and
@@ -26,10 +27,10 @@ HALF = (0.5, 0.5, 0.5)
 # to Qwen2VLImageProcessor and relies on the released preprocessor_config.json), so its image bounds are
 # the released ones; its video bounds are Qwen3VLVideoProcessor's class defaults.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen2_vl": {"image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD,
+    "qwen2_vl": {"image_mean": CLIP_MEAN, "image_std": CLIP_STD,
                  "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
                  "video_min_pixels": 128 * 28 * 28, "video_max_pixels": 28 * 28 * 768},
-    "qwen2_5_vl": {"image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD,
+    "qwen2_5_vl": {"image_mean": CLIP_MEAN, "image_std": CLIP_STD,
                    "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
                    "video_min_pixels": 128 * 28 * 28, "video_max_pixels": 28 * 28 * 768},
     "qwen3_vl": {"image_mean": HALF, "image_std": HALF,
@@ -225,24 +226,47 @@ def media_token_counts(grid_thw: torch.Tensor | Sequence[Sequence[int]], merge_s
     return [int(t) * int(h) * int(w) // merge_size**2 for t, h, w in (tuple(row) for row in grid_thw)]
 
 
-def expand_placeholders(token_ids: Sequence[int], placeholder_id: int, counts: Sequence[int]) -> list[int]:
-    """Replace the i-th single placeholder token with counts[i] copies of it."""
-    found = sum(1 for t in token_ids if t == placeholder_id)
-    if found != len(counts):
-        raise ValueError(f"{found} placeholder token(s) (id {placeholder_id}) in the prompt but {len(counts)} "
-                         "media item(s): put exactly one placeholder per image/video, in order")
-    if bad := [c for c in counts if c < 1]:
-        raise ValueError(f"counts {bad} are not positive: each media item stands for at least one token")
-    remaining = iter(counts)
+def _media_blocks(spec: QwenVisionSpec, grid_thw: torch.Tensor | None, token_id: int,
+                  block_per_step: bool) -> list[list[int]]:
+    """Each item's tokens: start marker, one placeholder per merged patch, end marker; with
+    `block_per_step` one such block per temporal step (Qwen3-VL videos)."""
+    blocks = []
+    for t, h, w in ([] if grid_thw is None else grid_thw.tolist()):
+        steps, per_block = (t, h * w // spec.merge_size**2) if block_per_step else (1, t * h * w // spec.merge_size**2)
+        blocks.append([spec.vision_start_token_id, *[token_id] * per_block, spec.vision_end_token_id] * steps)
+    return blocks
+
+
+def expand_media(token_ids: Sequence[int], spec: QwenVisionSpec, image_grid_thw: torch.Tensor | None = None,
+                 video_grid_thw: torch.Tensor | None = None) -> list[int]:
+    """The prompt with its i-th image (video) placeholder replaced by the i-th image's (video's) block as
+    the family's processor writes it: `<|vision_start|>`, one placeholder per merged patch, `<|vision_end|>`.
+    A Qwen3-VL video is one block per temporal step (its processor puts timestamp text between them, which
+    needs the tokenizer: left out here). A placeholder the prompt already wraps in the two markers, as the
+    chat templates write it, keeps that one pair."""
+    start, end = spec.vision_start_token_id, spec.vision_end_token_id
+    if start is None or end is None:
+        raise ValueError("the model config has no vision_start_token_id / vision_end_token_id; a Qwen-VL config "
+                         "names both")
+    ids = list(token_ids)
+    kinds = {spec.image_token_id: ("image", _media_blocks(spec, image_grid_thw, spec.image_token_id, False)),
+             spec.video_token_id: ("video", _media_blocks(spec, video_grid_thw, spec.video_token_id,
+                                                          spec.family == "qwen3_vl"))}
+    for token_id, (kind, items) in kinds.items():
+        if (found := ids.count(token_id)) != len(items):
+            raise ValueError(f"{found} {kind} placeholder token(s) (id {token_id}) in the prompt but {len(items)} "
+                             f"{kind}(s): put exactly one placeholder per {kind}, in order")
+    remaining = {token_id: iter(items) for token_id, (_, items) in kinds.items()}
     out: list[int] = []
-    for t in token_ids:
-        out.extend([t] * next(remaining) if t == placeholder_id else [t])
+    skip_end = False
+    for i, token in enumerate(ids):
+        if skip_end:
+            skip_end = False
+        elif token in remaining:
+            if out[-1:] == [start] and ids[i + 1:i + 2] == [end]:  # already wrapped: the block brings its own pair
+                out.pop()
+                skip_end = True
+            out.extend(next(remaining[token]))
+        else:
+            out.append(token)
     return out
-
-
-def mm_token_type_ids(token_ids: Sequence[int], spec: QwenVisionSpec) -> list[int]:
-    """Per token 0 (text), 1 (image) or 2 (video): transformers needs these beside image/video grids to
-    build the 3-D (M-RoPE) positions; without them Qwen2-VL/Qwen3-VL raise and Qwen2.5-VL silently
-    falls back to 1-D positions."""
-    kinds = {spec.image_token_id: 1, spec.video_token_id: 2}
-    return [kinds.get(t, 0) for t in token_ids]

@@ -4,8 +4,13 @@ Actor; the language model stays frozen while the vision side trains (`train.trai
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from safetensors.torch import load_file
+
+from rlx.cli import main
+from rlx.models import load_pretrained
 
 from rlx.config import build_config
 from rlx.models.vision import VISION_PARAMETERS
@@ -34,7 +39,8 @@ def _weights(run_dir):
     return load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
 
 
-def test_a_colocated_run_sees_the_images_everywhere_and_trains_only_the_vision_side(tiny_vision_path, tmp_path):
+def test_a_colocated_run_sees_the_images_everywhere_and_trains_only_the_vision_side(tiny_vision_path, tmp_path,
+                                                                                    capsys):
     run_dir = run_colocate(digits_config(tiny_vision_path, tmp_path), echo=lambda _: None)
     records = read_metrics(run_dir)
     steps = [r for r in records if "loss" in r]
@@ -46,6 +52,18 @@ def test_a_colocated_run_sees_the_images_everywhere_and_trains_only_the_vision_s
     initial, trained = load_file(str(tiny_vision_path / "model.safetensors")), _weights(run_dir)
     changed = {name for name in initial if not (initial[name] == trained[name]).all()}
     assert changed and all("vision_tower." in name or "multi_modal_projector." in name for name in changed), changed
+
+    # the exported folder reloads with transformers' Auto classes; `rlx eval` scores the media task
+    assert main(["export", str(run_dir), str(tmp_path / "hf")]) == 0
+    model, _ = load_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    projector = "multi_modal_projector.linear_1.weight"
+    assert (model.model.multi_modal_projector.linear_1.weight == trained[projector]).all()
+    capsys.readouterr()
+    assert main(["eval", str(run_dir)]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["eval_size"] == 16
+    assert evaluated["eval_accuracy"] == [r for r in records if "eval_accuracy" in r][-1]["eval_accuracy"]
 
 
 @pytest.mark.slow  # a Ray cluster and a Serve deployment per role: about a minute here

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from rlx.media.inputs import expand_placeholders
+from rlx.media.positions import mm_token_type_ids
 from rlx.media.qwen_vl import (
     QwenVisionSpec,
-    expand_placeholders,
     image_inputs,
     media_token_counts,
-    mm_token_type_ids,
     smart_resize,
     smart_resize_video,
     video_inputs,
@@ -206,9 +206,11 @@ def test_expand_placeholders_refuses_mismatches(tokens, counts, message):
 
 
 def test_mm_token_type_ids():
-    spec = default_spec("qwen2_vl")
-    ids = [1, spec.vision_start_token_id, spec.image_token_id, spec.image_token_id, spec.video_token_id, 2]
-    assert mm_token_type_ids(ids, spec) == [0, 0, 1, 1, 2, 0]
+    from transformers import Qwen2VLConfig
+
+    config = Qwen2VLConfig()
+    ids = [1, config.vision_start_token_id, config.image_token_id, config.image_token_id, config.video_token_id, 2]
+    assert mm_token_type_ids(torch.tensor([ids]), config).tolist() == [[0, 0, 1, 1, 2, 0]]
 
 
 # --- tiny models take it -----------------------------------------------------------------------------------
@@ -228,9 +230,9 @@ def image_prompt(spec: QwenVisionSpec, images: list[np.ndarray]) -> tuple[list[i
     return expand_placeholders(prompt, spec.image_token_id, counts), inputs
 
 
-def forward(model, ids: list[int], spec: QwenVisionSpec, **media: torch.Tensor) -> torch.Tensor:
+def forward(model, ids: list[int], **media: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=torch.tensor([ids]), mm_token_type_ids=torch.tensor([mm_token_type_ids(ids, spec)]),
+        return model(input_ids=torch.tensor([ids]), mm_token_type_ids=mm_token_type_ids(torch.tensor([ids]), model.config),
                      **media).logits
 
 
@@ -238,7 +240,7 @@ def test_tiny_model_takes_expanded_images(tiny):
     model, spec = tiny
     assert spec.image_token_id < model.config.text_config.vocab_size
     ids, inputs = image_prompt(spec, [gradient(37, 53), checkerboard(64, 40)])
-    logits = forward(model, ids, spec, **inputs)
+    logits = forward(model, ids, **inputs)
     assert logits.shape == (1, len(ids), model.config.text_config.vocab_size)
     assert torch.isfinite(logits).all()
     # 3-D positions were used: an image spans fewer positions than tokens, so the next position lags
@@ -250,7 +252,7 @@ def test_tiny_model_refuses_one_placeholder_too_few(tiny):
     ids, inputs = image_prompt(spec, [gradient(37, 53), checkerboard(64, 40)])
     ids.remove(spec.image_token_id)
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
-        forward(model, ids, spec, **inputs)
+        forward(model, ids, **inputs)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
@@ -261,7 +263,7 @@ def test_tiny_model_takes_an_image_and_a_video(family):
     video = video_inputs([[noise(56, 56, seed=s) for s in range(3)]], spec)
     ids = [*ids, spec.vision_start_token_id, spec.video_token_id, spec.vision_end_token_id]
     ids = expand_placeholders(ids, spec.video_token_id, media_token_counts(video["video_grid_thw"], spec.merge_size))
-    assert torch.isfinite(forward(model, ids, spec, **inputs, **video)).all()
+    assert torch.isfinite(forward(model, ids, **inputs, **video)).all()
 
 
 def test_tiny_qwen3_takes_a_video_frame_by_frame():
@@ -274,7 +276,7 @@ def test_tiny_qwen3_takes_a_video_frame_by_frame():
     for step in range(t):
         ids += [10 + step, spec.vision_start_token_id, spec.video_token_id, spec.vision_end_token_id]
     ids = expand_placeholders(ids, spec.video_token_id, [h * w // spec.merge_size**2] * t)
-    assert torch.isfinite(forward(model, ids, spec, **video)).all()
+    assert torch.isfinite(forward(model, ids, **video)).all()
     ids.remove(spec.video_token_id)
     with pytest.raises(ValueError, match="Video features and video tokens do not match"):
-        forward(model, ids, spec, **video)
+        forward(model, ids, **video)

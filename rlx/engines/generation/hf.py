@@ -10,6 +10,10 @@ rows copies the whole cache, so doing it per finished row would cost more than a
 With `record_routes` (mixture-of-experts models) every forward's router choices are kept per row:
 a result's `routed_experts` covers its prompt (prefill) and each generated token fed back, in the
 layout of `rlx.models.moe`, whatever the batch did around the row (merges, compaction, refills).
+
+M-RoPE models (Qwen-VL) are prefilled with the 3-D positions of `rlx.media.positions`; each row's
+next position then carries its own delta (how far its media put its positions behind its token
+count), so rows keep their positions as they join and leave the batch.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
 from rlx.engines.generation.kv_cache import GrowingCache
 from rlx.media.inputs import concat_media, media_token_ids
+from rlx.media.positions import linear_positions, mrope_positions, uses_mrope
 from rlx.models.moe import MoeRouting, stack_captured
 
 
@@ -90,7 +95,9 @@ class _Running:
 
     cache: GrowingCache
     attention: torch.Tensor  # [B, L], left-padded, aligned with the cache
-    next_position: torch.Tensor  # [B, 1]
+    # [B, 1] the position the row's next token takes: its token count, plus its M-RoPE delta (Qwen-VL;
+    # the same in all three axes, as for any text token). Per row, so it moves with the row.
+    next_position: torch.Tensor
     logits: torch.Tensor  # [B, V] for the token each row samples next
     rows: list[_Row]
 
@@ -145,6 +152,7 @@ class HFGenerationEngine(StreamingEngine):
         self.model = model.eval()
         self._routing = MoeRouting.of(model) if record_routes else None
         self._never = media_token_ids(model.config)
+        self._mrope = uses_mrope(model)
         self.pad_token_id = pad_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer = tokenizer
@@ -245,9 +253,14 @@ class HFGenerationEngine(StreamingEngine):
             input_ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
             attention[row, width - len(request.prompt_ids) :] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = GrowingCache()
         media = concat_media([request.media for request in requests], self.device)
+        next_position = attention.sum(-1, keepdim=True)  # left padding: every row's token count
+        if self._mrope:
+            positions, deltas = mrope_positions(self.model, input_ids, attention, media)
+            next_position = next_position + deltas[:, None]
+        else:
+            positions = linear_positions(attention)
+        cache = GrowingCache()
         with self._recording() as captured:
             logits = self.model(
                 input_ids=input_ids, attention_mask=attention, position_ids=positions,
@@ -258,7 +271,7 @@ class HFGenerationEngine(StreamingEngine):
             routes = stack_captured(captured, len(rows), width)
             for row, request, row_routes in zip(rows, requests, routes):
                 row.routes.append(row_routes[width - len(request.prompt_ids):])
-        return _Running(cache, attention, positions[:, -1:] + 1, logits, rows)
+        return _Running(cache, attention, next_position, logits, rows)
 
     @contextlib.contextmanager
     def _recording(self) -> Iterator[list[torch.Tensor]]:

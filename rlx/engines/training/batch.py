@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlx.media.inputs import MediaInputs, concat_media
+from rlx.media.positions import linear_positions
 from rlx.models.moe import NOT_RECORDED, ROUTE_DTYPE
 
 
@@ -40,7 +41,8 @@ class TokenBatch:
 
     @property
     def position_ids(self) -> torch.Tensor:
-        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        """1-D positions (M-RoPE models get theirs from the model: rlx.media.positions)."""
+        return linear_positions(self.attention_mask)
 
     def select(self, rows: torch.Tensor | slice) -> TokenBatch:
         """A sub-batch, trimmed of columns that are padding in every selected row."""

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.engines.training.batch import TokenBatch
+from rlx.media.positions import position_ids
 from rlx.models.moe import routing_of
 
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
@@ -23,7 +24,8 @@ def forward_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, **kwar
     """The model's output logits for `batch`, on the model's device, without a KV cache.
 
     A batch with recorded routes is routed by them (R3); they stay in force for the backward
-    pass's activation-checkpoint recomputation, until the next forward of this model."""
+    pass's activation-checkpoint recomputation, until the next forward of this model. M-RoPE models
+    (Qwen-VL) get the 3-D positions the generation engine gives them (rlx.media.positions)."""
     device = next(model.parameters()).device
     routing = routing_of(model)
     if routing is not None:
@@ -31,13 +33,15 @@ def forward_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, **kwar
     elif batch.routes is not None:
         raise ValueError("the batch carries routed_experts but the model has no routing replay installed: "
                          "call rlx.models.moe.MoeRouting.of(model) when the model is loaded")
+    input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    media = {key: value.to(device) for key, value in batch.media_inputs.items()}
     with autocast_context(model, bf16):
         return model(
-            input_ids=batch.input_ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
-            position_ids=batch.position_ids.to(device),
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(model, input_ids, attention_mask, media),
             use_cache=False,
-            **{key: value.to(device) for key, value in batch.media_inputs.items()},
+            **media,
             **kwargs,
         ).logits
 

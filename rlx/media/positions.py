@@ -1,0 +1,72 @@
+"""M-RoPE positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), computed one way for the engine and the trainer.
+
+These models rotate each token by three positions (time, height, width): text tokens take the same
+value in all three, an image's tokens span its grid, so after an image the positions run behind the
+token count by a per-row `delta`. Left to itself the model computes them only when `position_ids` is
+None and then keeps one `rope_deltas` on the module for the whole batch, which breaks when rows join
+and leave a running batch. rlx passes them explicitly instead: the model's own `get_rope_index` over
+the real (attended) tokens of each row, so padding never shifts them, and a per-row delta that the
+engine adds to a row's 1-D position at every decode step.
+
+Every other model keeps 1-D positions (`cumsum(attention_mask) - 1`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlx.media.inputs import MediaInputs
+
+if TYPE_CHECKING:  # transformers costs seconds to import
+    from transformers import PreTrainedModel
+
+MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+# media inputs get_rope_index reads (Qwen2.5-VL: seconds per temporal patch of each video)
+POSITION_INPUTS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+
+def uses_mrope(model: PreTrainedModel) -> bool:
+    """True for the models whose positions `mrope_positions` computes."""
+    return getattr(getattr(model, "config", None), "model_type", None) in MROPE_MODEL_TYPES
+
+
+def linear_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """1-D positions: each attended token's index among its row's attended tokens (padding: 0)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """Per token 0 (text), 1 (image placeholder) or 2 (video placeholder), as get_rope_index takes them."""
+    return (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
+
+
+def mrope_positions(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    media: MediaInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """([3, B, L] positions, [B] deltas) for a batch whose rows' media inputs are `media` (row order).
+
+    A row's delta is the position a text token right after its last column would take, minus the
+    number of tokens the row attends: the engine's next 1-D position plus the delta continues the row
+    exactly as the trainer, which scores prompt and response together, positions it. (This is the
+    model's own `rope_deltas` except after a video whose time axis outruns its height and width:
+    there the model's decode jumps past the video's largest position, its training forward does not.)
+    Positions of padding columns are 0."""
+    batch = input_ids.shape[0]
+    grids = {key: media[key] for key in POSITION_INPUTS if key in media}
+    if not grids:  # text only: M-RoPE's three axes are the 1-D positions
+        return linear_positions(attention_mask).expand(3, -1, -1), input_ids.new_zeros(batch)
+    # one text column appended, attended in every row: where each row would go on
+    types = torch.cat([mm_token_type_ids(input_ids, model.config), input_ids.new_zeros((batch, 1), dtype=torch.int)], 1)
+    mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], 1)
+    ids = torch.cat([input_ids, input_ids.new_zeros((batch, 1))], 1)  # get_rope_index reads types, not ids
+    positions, _ = model.base_model.get_rope_index(ids, mm_token_type_ids=types, attention_mask=mask, **grids)
+    return positions[:, :, :-1], positions[0, :, -1] - attention_mask.sum(-1)
+
+
+def position_ids(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 media: MediaInputs) -> torch.Tensor:
+    """The positions a forward over whole sequences passes: [3, B, L] for M-RoPE models, else [B, L]."""
+    if uses_mrope(model):
+        return mrope_positions(model, input_ids, attention_mask, media)[0]
+    return linear_positions(attention_mask)
