@@ -129,7 +129,7 @@ def _eval(args: argparse.Namespace) -> int:
             export_checkpoint(path, folder)
         rollout = build_rollout(config, folder)
         rows = load_splits(config.data)[1]
-        metrics = evaluate(rollout, build_reward_role(config), rows, prompt_encoder(config, rollout.tokenizer),
+        metrics = evaluate(rollout, build_reward_role(config), rows, prompt_encoder(config, rollout),
                            sampling_params(config, seed=0, greedy=True))
     print(json.dumps({"model": str(path), "eval_size": len(rows), **metrics}, indent=2))
     return 0

@@ -52,6 +52,7 @@ class ModelConfig(Section):
 
 
 MEDIA_MODALITIES = ("image", "audio", "video")
+AUDIO_SAMPLING_RATE = 16_000  # Hz: Whisper's and Relax's
 DIGITS_EVAL_SIZE = 500  # the digits' held-out default: 500 of its 1797 images
 
 
@@ -117,7 +118,7 @@ class DataConfig(Section):
                                        "{image: images}; empty: text-only rows")
     media_limits: MediaLimits = Field(default_factory=MediaLimits)
     video: VideoSampling = Field(default_factory=VideoSampling)
-    audio_sampling_rate: int = Field(16000, gt=0, description="audio is resampled to this rate (Hz), mono")
+    audio_sampling_rate: int = Field(AUDIO_SAMPLING_RATE, gt=0, description="audio is resampled to this rate (Hz), mono")
 
     @model_validator(mode="before")
     @classmethod

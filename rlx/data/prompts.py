@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rlx.data.rows import DataError, PromptRow, listing
@@ -24,16 +24,22 @@ def render_prompt(row: PromptRow, tokenizer: PreTrainedTokenizerBase, system_pro
 
 
 def prompt_token_ids(row: PromptRow, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None,
-                     apply_chat_template: bool) -> list[int]:
-    """The token ids the rollout sends to the engine for this row, whatever their number."""
+                     apply_chat_template: bool, placeholders: Mapping[str, str] | None = None) -> list[int]:
+    """The token ids the rollout sends to the engine for this row, whatever their number.
+
+    `placeholders`: dataset placeholder -> the model's own placeholder token (`<image>` ->
+    `<|image_pad|>` for Qwen-VL), substituted before tokenising so each stays one token."""
     text = render_prompt(row, tokenizer, system_prompt, apply_chat_template)
+    for tag, token in (placeholders or {}).items():
+        text = text.replace(tag, token)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def encode_prompt(row: PromptRow, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None,
-                  apply_chat_template: bool, max_tokens: int) -> list[int]:
+                  apply_chat_template: bool, max_tokens: int, placeholders: Mapping[str, str] | None = None,
+                  ) -> list[int]:
     """`prompt_token_ids`, refused past `max_tokens` (`check_prompt_lengths` finds these at load time)."""
-    ids = prompt_token_ids(row, tokenizer, system_prompt, apply_chat_template)
+    ids = prompt_token_ids(row, tokenizer, system_prompt, apply_chat_template, placeholders)
     if len(ids) > max_tokens:
         where = f"{row.source}: " if row.source else ""
         raise DataError(f"{where}prompt of {len(ids)} tokens exceeds data.max_prompt_tokens={max_tokens}: "

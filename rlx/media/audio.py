@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rlx.config import AUDIO_SAMPLING_RATE
 from rlx.errors import DataError
 from rlx.media.av_io import AUDIO_CONTAINERS, check_seconds, corrupt, declared_seconds, open_container
 from rlx.media.loading import LOADERS, MediaItem, encoded
@@ -28,12 +29,11 @@ if TYPE_CHECKING:
 
     from rlx.config import MediaLimits
 
-DEFAULT_SAMPLING_RATE = 16_000
 PADDING_SECONDS = 1.0  # decoded audio may run past the header's duration by encoder padding
 
 
 def load_audio(item: MediaItem, limits: MediaLimits, where: str,
-               sampling_rate: int = DEFAULT_SAMPLING_RATE) -> np.ndarray:
+               sampling_rate: int = AUDIO_SAMPLING_RATE) -> np.ndarray:
     """The item's samples, float32 mono [N] at `sampling_rate`; an unsafe or undecodable item
     raises a DataError naming `where` (the row's file:line)."""
     if item.kind != "audio":

@@ -20,7 +20,7 @@ from rlx.errors import DataError
 from rlx.media.inputs import CLIP_MEAN, CLIP_STD, MediaInputs, expand_placeholders
 
 if TYPE_CHECKING:
-    from rlx.config import MediaLimits
+    from rlx.config import DataConfig, MediaLimits
     from rlx.data.rows import PromptRow
     from rlx.media.loading import MediaItem
 
@@ -30,6 +30,8 @@ QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 class MediaProcessor(Protocol):
+    placeholder_ids: dict[str, int]  # modality -> the token one item stands as in the prompt
+
     def __call__(self, prompt_ids: list[int], row: PromptRow) -> tuple[list[int], MediaInputs]:
         """The prompt's token ids with each placeholder expanded, and its media as model inputs."""
 
@@ -43,6 +45,7 @@ class LlavaImageProcessor:
         vision = config.vision_config
         self.size, self.limits = vision.image_size, limits
         self.image_token_id = config.image_token_id
+        self.placeholder_ids = {"image": config.image_token_id}
         self.tokens_per_image = (vision.image_size // vision.patch_size) ** 2 + (
             config.vision_feature_select_strategy == "full")
 
@@ -83,9 +86,11 @@ class QwenVLProcessor:
     by `load_video` (default `rlx.media.video.load_video`), frames already sampled."""
 
     def __init__(self, config: Any, limits: MediaLimits, load_video: VideoLoader | None = None) -> None:
+        """`load_video`: default `rlx.media.video.load_video` with its default sampling."""
         from rlx.media.qwen_vl import QwenVisionSpec
 
         self.spec, self.limits, self._load_video = QwenVisionSpec.from_model_config(config), limits, load_video
+        self.placeholder_ids = {"image": self.spec.image_token_id, "video": self.spec.video_token_id}
 
     def _video(self, item: MediaItem, where: str) -> list[np.ndarray]:
         if self._load_video is None:
@@ -118,13 +123,17 @@ class QwenVLProcessor:
         return ids, inputs
 
 
-def processor_for(config: Any, limits: MediaLimits) -> MediaProcessor:
-    """The processor for a model's config (`transformers` config object); a clear error for a
-    model rlx cannot feed media to."""
+def processor_for(config: Any, data: DataConfig) -> MediaProcessor:
+    """The processor for a model's config (`transformers` config object), reading media within
+    `data.media_limits` and sampling videos as `data.video` says; a clear error for a model rlx
+    cannot feed media to."""
     if config.model_type == "llava":
-        return LlavaImageProcessor(config, limits)
+        return LlavaImageProcessor(config, data.media_limits)
     if config.model_type in QWEN_VL_MODEL_TYPES:
-        return QwenVLProcessor(config, limits)
+        from rlx.media.video import load_video
+
+        return QwenVLProcessor(config, data.media_limits,
+                               lambda item, limits, where: load_video(item, limits, where, data.video))
     raise ValueError(f"model type {config.model_type!r} takes no media in rlx (data.media_keys is set): "
                      "supported are LLaVA models (e.g. the built-in smollm2-135m-vision) and "
                      f"{', '.join(QWEN_VL_MODEL_TYPES)}")

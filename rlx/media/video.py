@@ -32,11 +32,8 @@ if TYPE_CHECKING:
     import av.container
     import av.video
 
-    from rlx.config import MediaLimits
+    from rlx.config import MediaLimits, VideoSampling
 
-DEFAULT_FPS = 2.0
-DEFAULT_MIN_FRAMES = 4
-DEFAULT_MAX_FRAMES = 768
 MAX_SOURCE_FPS = 480  # above any camera's slow-motion rate
 TIME_TOLERANCE = 1e-3  # seconds: a frame stamped this little after a sample time still counts as shown then
 
@@ -47,10 +44,13 @@ def sample_times(seconds: float, fps: float, min_frames: int, max_frames: int) -
     return np.arange(count) * (seconds / count)
 
 
-def load_video(item: MediaItem, limits: MediaLimits, where: str, fps: float = DEFAULT_FPS,
-               min_frames: int = DEFAULT_MIN_FRAMES, max_frames: int = DEFAULT_MAX_FRAMES) -> list[np.ndarray]:
-    """The item's frames as uint8 RGB [H, W, 3] arrays; an unsafe or undecodable item raises a
-    DataError naming `where` (the row's file:line)."""
+def load_video(item: MediaItem, limits: MediaLimits, where: str,
+               sampling: VideoSampling | None = None) -> list[np.ndarray]:
+    """The item's frames as uint8 RGB [H, W, 3] arrays, sampled as `sampling` (`data.video`; its
+    defaults when None) says; an unsafe or undecodable item raises a DataError naming `where`."""
+    from rlx.config import VideoSampling
+
+    sampling = sampling or VideoSampling()
     if item.kind != "video":
         raise DataError(f"{where}: load_video decodes only videos, not {item.kind}; use "
                         f"{LOADERS[item.kind]}")
@@ -67,7 +67,7 @@ def load_video(item: MediaItem, limits: MediaLimits, where: str, fps: float = DE
                             "bounded before decoding; remux it to mp4 (ffmpeg -i IN -c copy OUT.mp4)")
         check_seconds(seconds, limits, where, what)
         check_pixels(stream.codec_context.width, stream.codec_context.height, limits, where, "video frame")
-        times = sample_times(seconds, fps, min_frames, min(max_frames, limits.max_frames))
+        times = sample_times(seconds, sampling.fps, sampling.min_frames, min(sampling.max_frames, limits.max_frames))
         return _frames_at(container, stream, times, seconds, limits, where, what)
 
 

@@ -7,6 +7,7 @@ forward in well under a second on CPU. Token ids for the vision markers sit at t
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -74,3 +75,23 @@ def tiny_vl_model(family: VLFamily, seed: int = 0) -> tuple[PreTrainedModel, Qwe
     torch.manual_seed(seed)
     model = model_class(config).float().eval()
     return model, QwenVisionSpec.from_model_config(model.config)
+
+
+MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")  # ids 124..127, in order
+
+
+def build_tiny_vl(path: Path, family: VLFamily = "qwen2_vl") -> Path:
+    """A tiny Qwen-VL folder with the tiny-char tokenizer, whose vocabulary is padded with unused
+    tokens so Qwen's marker tokens land on the model's ids: a model `rlx train` can run."""
+    from rlx.models.tiny import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    unused = [f"<|unused{i}|>" for i in range(VISION_START_ID - len(tokenizer))]
+    tokenizer.add_special_tokens({"additional_special_tokens": [*unused, *MARKERS]})
+    assert tokenizer.convert_tokens_to_ids(list(MARKERS)) == [VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID,
+                                                              VIDEO_TOKEN_ID] and len(tokenizer) == VOCAB_SIZE
+    model, _ = tiny_vl_model(family)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = PAD_ID, EOS_ID
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -54,7 +54,7 @@ class DriverEvaluator:
         self.rows = load_splits(config.data)[1]
         self.rollout = build_rollout(config, model_path(config))
         self.reward = build_reward_role(config)
-        self.encode = prompt_encoder(config, self.rollout.tokenizer)
+        self.encode = prompt_encoder(config, self.rollout)
         self.params: SamplingParams = sampling_params(config, seed=0, greedy=True)
 
     def __call__(self) -> dict[str, float]:

@@ -66,10 +66,11 @@ def sampling_params(config: RunConfig, seed: int | None, greedy: bool = False) -
                           stop_token_ids=tuple(r.stop_token_ids), seed=seed)
 
 
-def prompt_encoder(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Callable[[PromptRow], list[int]]:
+def prompt_encoder(config: RunConfig, rollout: Rollout) -> Callable[[PromptRow], list[int]]:
+    """Rows -> the prompt ids the rollout takes (its model's media placeholder tokens in place)."""
     data = config.data
-    return lambda row: encode_prompt(row, tokenizer, data.system_prompt, data.apply_chat_template,
-                                     data.max_prompt_tokens)
+    return lambda row: encode_prompt(row, rollout.tokenizer, data.system_prompt, data.apply_chat_template,
+                                     data.max_prompt_tokens, rollout.placeholder_text)
 
 
 def generation_engine(config: RunConfig, settings: EngineSettings, path: Path, max_batch_size: int,
@@ -104,7 +105,7 @@ def media_processor(config: RunConfig, path: Path) -> MediaProcessor | None:
 
     from rlx.media.processor import processor_for
 
-    return processor_for(AutoConfig.from_pretrained(path), config.data.media_limits)
+    return processor_for(AutoConfig.from_pretrained(path), config.data)
 
 
 def build_genrm(config: RunConfig) -> GenRM:
@@ -256,7 +257,7 @@ class Components:
     eval_rows: list[PromptRow]
 
     def encode(self, row: PromptRow) -> list[int]:
-        return prompt_encoder(self.config, self.tokenizer)(row)
+        return prompt_encoder(self.config, self.rollout)(row)
 
     def sampling(self, seed: int | None, greedy: bool = False) -> SamplingParams:
         return sampling_params(self.config, seed, greedy)
@@ -356,7 +357,7 @@ def prompt_source(config: RunConfig, train_rows: list[PromptRow]) -> PromptSourc
 def rollout_worker(config: RunConfig, plan: RolePlan, rollout: Rollout, bus, source: PromptSource,
                    sync_weights: Callable[[], None], consumer: str = "rollout") -> RolloutWorker:
     r, seed = config.rollout, config.train.seed
-    return RolloutWorker(rollout, bus, source, prompt_encoder(config, rollout.tokenizer), r.n,
+    return RolloutWorker(rollout, bus, source, prompt_encoder(config, rollout), r.n,
                          lambda first_group: sampling_params(config, seed=seed * 100_003 + first_group),
                          sync_weights, max_batch_size=r.max_batch_size, fields=plan.outputs("rollout"),
                          refill_dropped=config.algorithm.dynamic_sampling, consumer=consumer,

@@ -29,6 +29,14 @@ class Rollout:
         self.processor = processor
         self._uids = itertools.count()
 
+    @property
+    def placeholder_text(self) -> dict[str, str]:
+        """Dataset placeholder (`<image>`) -> the model's placeholder token, for prompt encoding."""
+        if self.processor is None:
+            return {}
+        return {f"<{kind}>": self.tokenizer.convert_ids_to_tokens(token)
+                for kind, token in self.processor.placeholder_ids.items()}
+
     def prepare(self, row: PromptRow, prompt_ids: list[int]) -> tuple[list[int], MediaInputs | None]:
         """The prompt as the engine takes it: media placeholders expanded, media as model inputs."""
         if not row.media:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlx.config import MediaLimits
+from rlx.config import DataConfig, MediaLimits
 from rlx.data.rows import PromptRow
 from rlx.engines.generation import hf
 from rlx.engines.generation.base import GenerationRequest, SamplingParams
@@ -165,7 +165,7 @@ def test_engine_decodes_as_the_models_own_generate(tiny):
 
 
 def test_processor_writes_the_vision_markers_once_per_item(tiny):
-    assert isinstance(processor_for(tiny.config, MediaLimits()), QwenVLProcessor)
+    assert isinstance(processor_for(tiny.config, DataConfig()), QwenVLProcessor)
     processor = QwenVLProcessor(tiny.config, MediaLimits(), load_video=frames)
     row = row_of(0, [(30, 40)], 4)
     lone, media = processor([3, I, 4, V], row)

@@ -72,3 +72,50 @@ def test_async_media_travel_the_ray_bus_once_per_group(tiny_vision_path, tmp_pat
     run_dir = run_async(config, echo=lambda _: None)
     steps = [r for r in read_metrics(run_dir) if "loss" in r]
     assert steps and all(r["rollout_logprob_abs_diff"] < 1e-4 for r in steps)
+
+
+def _mp4(path, digit: int, seconds: float = 2.0, rate: int = 8) -> None:
+    """A clip of `seconds` whose frames show `digit` bright bars on a dark ground (56x56)."""
+    import av
+    import numpy as np
+
+    frame = np.zeros((56, 56, 3), np.uint8)
+    frame[:, : 5 * (digit + 1)] = 220
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 56, 56, "yuv420p"
+        for _ in range(int(seconds * rate)):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+def test_a_qwen_vl_run_reads_videos_from_mp4_files_at_2_fps(tmp_path):
+    pytest.importorskip("av")
+    from rlx.config import DataConfig
+    from rlx.data import load_splits
+    from rlx.media.video import load_video
+    from rlx.models.tiny_vl import build_tiny_vl
+
+    model_path = build_tiny_vl(tmp_path / "tiny-qwen2-vl")
+    rows = []
+    for i in range(8):
+        _mp4(tmp_path / f"clip{i}.mp4", i % 4)
+        rows.append({"prompt": "<video>\nbars:", "label": str(i % 4 + 1), "videos": [f"clip{i}.mp4"]})
+    (tmp_path / "videos.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    data = {"source": "jsonl", "path": str(tmp_path / "videos.jsonl"), "eval_path": str(tmp_path / "videos.jsonl"),
+            "eval_size": 4, "media_keys": {"video": "videos"}, "apply_chat_template": False}
+    train_rows, _ = load_splits(DataConfig(**data))
+    frames = load_video(train_rows[0].media["video"][0], DataConfig(**data).media_limits, "clip0")
+    assert len(frames) == 4 and frames[0].shape == (56, 56, 3)  # 2 s at the default 2 fps
+    config = build_config({
+        "model": {"path": str(model_path)}, "data": data,
+        "rollout": {"n": 4, "prompts_per_step": 2, "max_new_tokens": 4},
+        "reward": {"name": "exact_match", "extract": "last_number"}, "algorithm": {"kl_coef": 0.05},
+        "train": {"steps": 2, "lr": 1e-3, "micro_batch_size": 4, "eval_every": 2},
+        "logging": {"run_dir": str(tmp_path / "run"), "progress_bar": False},
+    })
+    run_dir = run_colocate(config, echo=lambda _: None)
+    steps = [r for r in read_metrics(run_dir) if "loss" in r]
+    # the trainer's 3-D positions and video features match the engine's only if both saw the frames
+    assert steps and all(r["rollout_logprob_abs_diff"] < 1e-4 for r in steps)
+    assert [r["step"] for r in read_metrics(run_dir) if "eval_accuracy" in r] == [0, 2]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlx.config import MediaLimits, load_config
+from rlx.config import MediaLimits, VideoSampling, load_config
 from rlx.errors import ConfigError, DataError
 from rlx.media.audio import load_audio
 from rlx.media.loading import MediaItem
@@ -117,7 +117,7 @@ def test_bytes_and_a_path_give_the_same_frames(tmp_path, limits):
 def test_short_and_long_videos_get_min_and_max_frames(limits):
     one_second = load_video(_video(_mp4(CFR[:10], 1.0)), limits, "r")
     assert [_index(frame) for frame in one_second] == [0, 2, 5, 7]  # min_frames=4 at 0, .25, .5, .75 s
-    capped = load_video(_video(_mp4(CFR, 3.0)), limits, "r", max_frames=4)
+    capped = load_video(_video(_mp4(CFR, 3.0)), limits, "r", VideoSampling(max_frames=4))
     assert [_index(frame) for frame in capped] == [0, 7, 15, 22]  # 0, .75, 1.5, 2.25 s
     few = MediaLimits(root=limits.root, max_frames=3)  # the limit caps the sampling too
     assert [_index(frame) for frame in load_video(_video(_mp4(CFR, 3.0)), few, "r")] == [0, 10, 20]
