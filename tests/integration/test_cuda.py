@@ -179,3 +179,28 @@ def test_the_sharded_actor_over_nccl_equals_the_one_process_actor(tiny_path, tmp
             group.close()
     finally:
         stop_ray()
+
+
+def test_media_prefill_and_mrope_positions_in_bf16_on_the_gpu():
+    """A tiny Qwen2-VL in bf16 on the GPU: the engine prefills images with 3-D positions and decodes
+    at each row's delta; the trainer's log-probs agree within bf16's resolution, and the 3-D
+    positions equal those computed on the CPU in fp32 (integers: exactly)."""
+    from rlx.media.positions import position_ids
+    from rlx.models.tiny_vl import EOS_ID, PAD_ID, tiny_vl_model
+    from tests.integration.test_qwen_vl_engine import requests_for, trainer_logprobs
+
+    cpu_model, _ = tiny_vl_model("qwen2_vl")
+    requests = requests_for(cpu_model)
+    model, _ = tiny_vl_model("qwen2_vl")
+    model = model.to("cuda", torch.bfloat16)
+    engine = HFGenerationEngine(model, PAD_ID, (EOS_ID,), max_batch_size=4)
+    results = engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
+    trained = trainer_logprobs(model, requests, results)
+    gap = max((t.float().cpu() - torch.tensor(r.logprobs)).abs().max().item() for t, r in zip(trained, results))
+    assert gap < 5e-2, gap
+    batch = collate([r.prompt_ids for r in results], [r.response_ids for r in results], PAD_ID,
+                    media=[{r.request_id: r.media for r in requests}[r.request_id] for r in results])
+    on_gpu = position_ids(model, batch.input_ids.cuda(), batch.attention_mask.cuda(),
+                          {key: value.cuda() for key, value in batch.media_inputs.items()})
+    on_cpu = position_ids(cpu_model, batch.input_ids, batch.attention_mask, batch.media_inputs)
+    assert torch.equal(on_gpu.cpu(), on_cpu)

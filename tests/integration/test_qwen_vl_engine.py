@@ -20,6 +20,7 @@ from rlx.engines.generation.base import GenerationRequest, SamplingParams
 from rlx.engines.generation.hf import HFGenerationEngine
 from rlx.engines.training import collate, token_logprobs
 from rlx.errors import DataError
+from rlx.media.inputs import concat_media
 from rlx.media.loading import MediaItem
 from rlx.media.positions import mm_token_type_ids, mrope_positions
 from rlx.media.processor import QwenVLProcessor, processor_for
@@ -186,3 +187,26 @@ def test_processor_writes_the_vision_markers_once_per_item(tiny):
     audio = PromptRow("", "", media={"audio": (MediaItem("audio", array=np.zeros(8)),)}, source="rows.jsonl:9")
     with pytest.raises(DataError, match=r"rows.jsonl:9: .* reads images and videos; the row carries \['audio'\]"):
         processor([3], audio)
+
+
+def test_a_second_turn_with_a_new_image_agrees_with_the_trainer_over_the_whole_trajectory(tiny):
+    """Turn 1 sees image A; the observation of turn 2 brings image B. The trainer scores the whole
+    trajectory (both responses, the observation masked) with A and B in order, as one sequence."""
+    processor = QwenVLProcessor(tiny.config, MediaLimits(), load_video=frames)
+    first_ids, first_media = processor([3, I, 4], row_of(0, [(30, 40)], 0))
+    observation, second_media = processor([5, 6, I, 7], row_of(1, [(28, 56)], 0))
+    engine = HFGenerationEngine(tiny, PAD_ID, (EOS_ID,))
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+    (first,) = engine.generate([GenerationRequest(0, first_ids, first_media)], params)
+    both = concat_media([first_media, second_media])
+    context = first.prompt_ids + first.response_ids + observation
+    (second,) = engine.generate([GenerationRequest(1, context, both)], params)
+    trajectory = first.response_ids + observation + second.response_ids
+    mask = [1.0] * len(first.response_ids) + [0.0] * len(observation) + [1.0] * len(second.response_ids)
+    batch = collate([first_ids], [trajectory], PAD_ID, loss_masks=[mask], media=[both])
+    with torch.no_grad():
+        scored = token_logprobs(tiny, batch)[0][0]
+    start = len(first.response_ids) + len(observation)
+    engine_side = torch.tensor(first.logprobs + second.logprobs)
+    trainer_side = torch.cat([scored[:len(first.response_ids)], scored[start:start + len(second.response_ids)]])
+    assert (trainer_side - engine_side).abs().max() < 1e-4
