@@ -54,6 +54,9 @@ class ModelConfig(Section):
 MEDIA_MODALITIES = ("image", "audio", "video")
 AUDIO_SAMPLING_RATE = 16_000  # Hz: Whisper's and Relax's
 DIGITS_EVAL_SIZE = 500  # the digits' held-out default: 500 of its 1797 images
+SPOKEN_CACHE_DIR = Path.home() / ".cache" / "rlx" / "data" / "spoken_digits"  # its clips; its default media root
+BUILT_IN_SIZES = {"digits": {"eval_size": DIGITS_EVAL_SIZE},  # defaults where the source's own suit it better
+                  "spoken_digits": {"train_size": 1000, "eval_size": 300}}  # a clip is ~50 KB, made once
 
 
 class MediaLimits(Section):
@@ -99,8 +102,9 @@ class VideoSampling(Section):
 
 
 class DataConfig(Section):
-    source: Literal["reasoning_gym", "jsonl", "parquet", "digits"] = Field(
-        "reasoning_gym", description="digits: scikit-learn's 1797 8x8 digit images (pip install 'rlx[media]')")
+    source: Literal["reasoning_gym", "jsonl", "parquet", "digits", "spoken_digits"] = Field(
+        "reasoning_gym", description="digits: scikit-learn's 1797 8x8 digit images (pip install 'rlx[media]'); "
+        "spoken_digits: numbers spoken by espeak-ng, held-out voices in eval (task_params: {task: digit|sum})")
     task: str = Field("chain_sum", description="reasoning-gym task name when source=reasoning_gym")
     task_params: dict[str, Any] = Field(default_factory=dict)
     train_size: int = Field(5000, gt=0)
@@ -122,9 +126,9 @@ class DataConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _digits_eval_default(cls, raw: Any) -> Any:
-        if isinstance(raw, dict) and raw.get("source") == "digits" and "eval_size" not in raw:
-            return {**raw, "eval_size": DIGITS_EVAL_SIZE}
+    def _built_in_sizes(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and raw.get("source") in BUILT_IN_SIZES:
+            return {**BUILT_IN_SIZES[raw["source"]], **raw}
         return raw
 
     @field_validator("media_keys")
@@ -146,12 +150,16 @@ class DataConfig(Section):
     @property
     def has_media(self) -> bool:
         """Rows carry media: the run needs a media processor and the bus a media field."""
-        return bool(self.media_keys) or self.source == "digits"
+        return bool(self.media_keys) or self.source in ("digits", "spoken_digits")
 
     @model_validator(mode="after")
     def _default_media_root(self) -> DataConfig:
-        """Media paths default to staying beside the data file; absolute, like `root` (see MediaLimits)."""
-        self.media_limits._data_dir = str(Path(self.path).parent.resolve()) if self.path else None
+        """Media paths default to staying beside the data file, or in spoken_digits' cache (its clips are
+        made under the root); absolute, like `root` (see MediaLimits)."""
+        if self.source == "spoken_digits":
+            self.media_limits._data_dir = str(SPOKEN_CACHE_DIR.resolve())
+        else:
+            self.media_limits._data_dir = str(Path(self.path).parent.resolve()) if self.path else None
         return self
 
 

@@ -1,4 +1,5 @@
-"""Datasets: prompt rows from files, reasoning-gym or scikit-learn's digits, their order, and their tokenisation."""
+"""Datasets: prompt rows from files, reasoning-gym, scikit-learn's digits or spoken numbers, their order, and their
+tokenisation."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from rlx.data.gym import gym_splits
 from rlx.data.prompts import check_prompt_lengths, prompt_token_ids
 from rlx.data.rows import DataError, PromptRow
 from rlx.data.sample import Sample
+from rlx.data.spoken import spoken_splits
 from rlx.data.stream import PromptStream
 
 if TYPE_CHECKING:
@@ -38,6 +40,9 @@ def _read_splits(config: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
     if config.source == "digits":
         return digits_splits(config.train_size, config.eval_size, config.seed,
                              config.task_params.get("prompt", DIGITS_PROMPT))
+    if config.source == "spoken_digits":  # clips are made under the media root, so their paths pass its check
+        return spoken_splits(config.train_size, config.eval_size, config.seed, config.media_limits.root_dir,
+                             config.task_params)
     keys = (config.prompt_key, config.label_key, config.metadata_key, config.media_keys, config.media_limits)
     train = load_rows(config.path, config.source, *keys)
     held_out = load_rows(config.eval_path, config.source, *keys)[: config.eval_size] if config.eval_path else []
