@@ -27,3 +27,11 @@ def tiny_vision_path(tmp_path_factory):
     from rlx.models.vision import build_tiny_vision
 
     return build_tiny_vision(tmp_path_factory.mktemp("models") / "tiny-vision")
+
+
+@pytest.fixture(scope="session")
+def tiny_audio_path(tmp_path_factory):
+    """A tiny AudioFlamingo3: the tiny-char Llama with a one-layer Whisper encoder reading 2 s windows."""
+    from rlx.models.audio import build_tiny_audio
+
+    return build_tiny_audio(tmp_path_factory.mktemp("models") / "tiny-audio")

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # a video item -> its (sampled) frames, uint8 [H, W, 3] each
 VideoLoader = Callable[["MediaItem", "MediaLimits", str], list[np.ndarray]]
 QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+AUDIO_MODEL_TYPES = ("audioflamingo3",)
 
 
 class MediaProcessor(Protocol):
@@ -123,6 +124,53 @@ class QwenVLProcessor:
         return ids, inputs
 
 
+class WhisperAudioProcessor:
+    """Audio for a Whisper-encoder audio-language model (AudioFlamingo3, e.g. the built-in
+    smollm2-135m-audio): each clip decoded at 16 kHz (`load_audio`), cut into the encoder's windows
+    (30 s for Whisper; a tail under 21 ms dropped), each window Whisper's log-mel features padded to
+    the window (`input_features`) with a mask of its real frames (`input_features_mask`); one
+    `<audio>` placeholder becomes the clip's audio tokens, as many as the encoder makes of its
+    windows' real frames (25 per second: rlx.media.audio_features.encoder_tokens)."""
+
+    def __init__(self, config: Any, limits: MediaLimits, sampling_rate: int) -> None:
+        from rlx.media.audio_features import SAMPLING_RATE
+
+        if sampling_rate != SAMPLING_RATE:
+            raise ValueError(f"data.audio_sampling_rate={sampling_rate}, but a Whisper encoder's features are "
+                             f"defined at {SAMPLING_RATE} Hz: set data.audio_sampling_rate={SAMPLING_RATE}")
+        self.limits, self.sampling_rate = limits, sampling_rate
+        self.n_mels, self.frames = config.audio_config.num_mel_bins, 2 * config.audio_config.max_source_positions
+        self.audio_token_id = config.audio_token_id
+        self.placeholder_ids = {"audio": config.audio_token_id}
+
+    def __call__(self, prompt_ids: list[int], row: PromptRow) -> tuple[list[int], MediaInputs]:
+        from rlx.media.audio import load_audio
+        from rlx.media.audio_features import clip_windows, encoder_tokens, log_mel, real_frames
+
+        unsupported = sorted(kind for kind, items in row.media.items() if items and kind != "audio")
+        if unsupported:
+            raise DataError(f"{row.source}: this model (AudioFlamingo3) reads audio only; the row carries "
+                            f"{unsupported}: drop those data.media_keys or use a model that takes them")
+        features, masks, counts = [], [], []
+        for index, item in enumerate(row.media.get("audio", ())):
+            windows = clip_windows(load_audio(item, self.limits, row.source, self.sampling_rate), self.frames)
+            if not windows:
+                raise DataError(f"{row.source}: audio clip {index} is shorter than 21 ms, too short for one audio "
+                                "token; drop it or pad it with silence")
+            for window in windows:
+                features.append(log_mel(window, self.n_mels, self.frames))
+                masks.append(torch.arange(self.frames) < real_frames(window.size))
+            counts.append(sum(encoder_tokens(real_frames(window.size)) for window in windows))
+        try:
+            ids = expand_placeholders(prompt_ids, self.audio_token_id, counts)
+        except ValueError as exc:
+            raise DataError(f"{row.source}: {exc}: each <audio> in the prompt must stay one token after the chat "
+                            "template (check the tokenizer has <audio> as a special token)") from None
+        if not features:
+            return ids, {}
+        return ids, {"input_features": torch.stack(features), "input_features_mask": torch.stack(masks).long()}
+
+
 def processor_for(config: Any, data: DataConfig) -> MediaProcessor:
     """The processor for a model's config (`transformers` config object), reading media within
     `data.media_limits` and sampling videos as `data.video` says; a clear error for a model rlx
@@ -134,6 +182,9 @@ def processor_for(config: Any, data: DataConfig) -> MediaProcessor:
 
         return QwenVLProcessor(config, data.media_limits,
                                lambda item, limits, where: load_video(item, limits, where, data.video))
+    if config.model_type in AUDIO_MODEL_TYPES:
+        return WhisperAudioProcessor(config, data.media_limits, data.audio_sampling_rate)
     raise ValueError(f"model type {config.model_type!r} takes no media in rlx (data.media_keys is set): "
-                     "supported are LLaVA models (e.g. the built-in smollm2-135m-vision) and "
-                     f"{', '.join(QWEN_VL_MODEL_TYPES)}")
+                     "supported are LLaVA models (e.g. the built-in smollm2-135m-vision), "
+                     f"{', '.join(QWEN_VL_MODEL_TYPES)} and {', '.join(AUDIO_MODEL_TYPES)} (e.g. the built-in "
+                     "smollm2-135m-audio)")

