@@ -9,7 +9,7 @@ each row's, concatenated along dimension 0 in row order; rows without an input a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -22,10 +22,12 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def concat_media(rows: Sequence[MediaInputs | None], device: torch.device | str | None = None) -> MediaInputs:
+def concat_media(rows: Sequence[MediaInputs | None], device: torch.device | str | None = None,
+                 only: Collection[str] | None = None) -> MediaInputs:
     """One forward's media keyword arguments from its rows' (in row order); {} when none has media.
-    Each input joins the rows that have it: a row's images and another's video both reach the model."""
-    keys = dict.fromkeys(key for row in rows if row for key in row)  # first-seen order, no duplicates
+    Each input joins the rows that have it: a row's images and another's video both reach the model.
+    `only`: just these inputs (e.g. the grids positions are computed from)."""
+    keys = dict.fromkeys(key for row in rows if row for key in row if only is None or key in only)
     return {key: torch.cat([row[key] for row in rows if row and key in row]).to(device) for key in keys}
 
 

@@ -185,7 +185,8 @@ def test_media_prefill_and_mrope_positions_in_bf16_on_the_gpu():
     """A tiny Qwen2-VL in bf16 on the GPU: the engine prefills images with 3-D positions and decodes
     at each row's delta; the trainer's log-probs agree within bf16's resolution, and the 3-D
     positions equal those computed on the CPU in fp32 (integers: exactly)."""
-    from rlx.media.positions import position_ids
+    from rlx.media.inputs import concat_media
+    from rlx.media.positions import POSITION_INPUTS, position_ids
     from rlx.models.tiny_vl import EOS_ID, PAD_ID, tiny_vl_model
     from tests.integration.test_qwen_vl_engine import requests_for, trainer_logprobs
 
@@ -200,7 +201,8 @@ def test_media_prefill_and_mrope_positions_in_bf16_on_the_gpu():
     assert gap < 5e-2, gap
     batch = collate([r.prompt_ids for r in results], [r.response_ids for r in results], PAD_ID,
                     media=[{r.request_id: r.media for r in requests}[r.request_id] for r in results])
+    grids = concat_media(batch.media, only=POSITION_INPUTS)
     on_gpu = position_ids(model, batch.input_ids.cuda(), batch.attention_mask.cuda(),
-                          {key: value.cuda() for key, value in batch.media_inputs.items()})
-    on_cpu = position_ids(cpu_model, batch.input_ids, batch.attention_mask, batch.media_inputs)
+                          {key: value.cuda() for key, value in grids.items()})
+    on_cpu = position_ids(cpu_model, batch.input_ids, batch.attention_mask, grids)
     assert torch.equal(on_gpu.cpu(), on_cpu)

@@ -30,7 +30,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
 from rlx.engines.generation.kv_cache import GrowingCache
 from rlx.media.inputs import concat_media, media_token_ids
-from rlx.media.positions import linear_positions, mrope_positions, uses_mrope
+from rlx.media.encode import forward_inputs
+from rlx.media.positions import POSITION_INPUTS, linear_positions, mrope_positions, uses_mrope
 from rlx.models.moe import MoeRouting, stack_captured
 
 
@@ -253,18 +254,19 @@ class HFGenerationEngine(StreamingEngine):
             input_ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
             attention[row, width - len(request.prompt_ids) :] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        media = concat_media([request.media for request in requests], self.device)
+        rows_media = [request.media for request in requests]
         next_position = attention.sum(-1, keepdim=True)  # left padding: every row's token count
         if self._mrope:
-            positions, deltas = mrope_positions(self.model, input_ids, attention, media)
+            grids = concat_media(rows_media, self.device, only=POSITION_INPUTS)
+            positions, deltas = mrope_positions(self.model, input_ids, attention, grids)
             next_position = next_position + deltas[:, None]
         else:
             positions = linear_positions(attention)
         cache = GrowingCache()
         with self._recording() as captured:
             logits = self.model(
-                input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=1, **media,
+                attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True,
+                logits_to_keep=1, **forward_inputs(self.model, input_ids, rows_media),
             ).logits[:, -1]
         rows = [_Row(request, self.weight_version) for request in requests]
         if captured:

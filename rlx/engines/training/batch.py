@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlx.media.inputs import MediaInputs, concat_media
+from rlx.media.inputs import MediaInputs
 from rlx.media.positions import linear_positions
 from rlx.models.moe import NOT_RECORDED, ROUTE_DTYPE
 
@@ -62,11 +62,6 @@ class TokenBatch:
             routes=None if self.routes is None else self.routes[rows][:, cols],
             media=None if self.media is None else _select_rows(self.media, rows),
         )
-
-    @property
-    def media_inputs(self) -> MediaInputs:
-        """The forward's media keyword arguments: every row's, in row order."""
-        return concat_media(self.media or [])
 
     def micro_batches(self, size: int) -> list[TokenBatch]:
         return [self.select(slice(i, i + size)) for i in range(0, self.size, size)]

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.engines.training.batch import TokenBatch
-from rlx.media.positions import position_ids
+from rlx.media.encode import forward_inputs
+from rlx.media.inputs import concat_media
+from rlx.media.positions import POSITION_INPUTS, position_ids
 from rlx.models.moe import routing_of
 
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
@@ -34,14 +36,14 @@ def forward_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, **kwar
         raise ValueError("the batch carries routed_experts but the model has no routing replay installed: "
                          "call rlx.models.moe.MoeRouting.of(model) when the model is loaded")
     input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    media = {key: value.to(device) for key, value in batch.media_inputs.items()}
+    rows_media = batch.media or []
+    grids = concat_media(rows_media, device, only=POSITION_INPUTS)
     with autocast_context(model, bf16):
         return model(
-            input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids(model, input_ids, attention_mask, media),
+            position_ids=position_ids(model, input_ids, attention_mask, grids),
             use_cache=False,
-            **media,
+            **forward_inputs(model, input_ids, rows_media),
             **kwargs,
         ).logits
 
