@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.models.folders import save_model_folder
+from rlx.models.text_weights import copy_text_weights
 
 if TYPE_CHECKING:
     from transformers import (
@@ -81,23 +82,9 @@ def add_audio_tower(text_model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
                                   audio_token_id=tokenizer.convert_tokens_to_ids(AUDIO_TOKEN))
     torch.manual_seed(tower.seed)
     model = AudioFlamingo3ForConditionalGeneration(config).float()
-    _copy_text_weights(text_model, model, len(tokenizer))
+    copy_text_weights(text_model, model, len(tokenizer))
     model.generation_config = text_model.generation_config
     return model.eval()
-
-
-def _copy_text_weights(text_model: PreTrainedModel, model: AudioFlamingo3ForConditionalGeneration,
-                       vocab: int) -> None:
-    """The text model's weights, exactly; new vocabulary rows start at the mean embedding. The
-    output layer is always copied: tied or not in the text model, it is a weight of its own here."""
-    def widened(weight: torch.Tensor) -> torch.Tensor:
-        extra = weight.mean(0, keepdim=True).expand(vocab - weight.shape[0], -1)
-        return torch.cat([weight.detach(), extra])
-
-    state = dict(text_model.model.state_dict())
-    state["embed_tokens.weight"] = widened(state["embed_tokens.weight"])
-    model.model.language_model.load_state_dict(state)
-    model.lm_head.weight.data.copy_(widened(text_model.get_output_embeddings().weight))
 
 
 def whisper_model_bin() -> Path | None:

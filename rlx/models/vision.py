@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.models.folders import save_model_folder
+from rlx.models.text_weights import copy_text_weights
 
 if TYPE_CHECKING:
     from transformers import LlavaForConditionalGeneration, PreTrainedModel, PreTrainedTokenizerBase
@@ -61,24 +62,9 @@ def add_vision_tower(text_model: PreTrainedModel, tokenizer: PreTrainedTokenizer
         tie_word_embeddings=text_model.config.tie_word_embeddings)
     torch.manual_seed(tower.seed)
     model = LlavaForConditionalGeneration(config).float()
-    _copy_text_weights(text_model, model, len(tokenizer))
+    copy_text_weights(text_model, model, len(tokenizer))
     model.generation_config = text_model.generation_config
     return model.eval()
-
-
-def _copy_text_weights(text_model: PreTrainedModel, model: LlavaForConditionalGeneration, vocab: int) -> None:
-    """The text model's weights, exactly; new vocabulary rows start at the mean embedding."""
-    def widened(weight: torch.Tensor) -> torch.Tensor:
-        extra = weight.mean(0, keepdim=True).expand(vocab - weight.shape[0], -1)
-        return torch.cat([weight, extra])
-
-    state = dict(text_model.model.state_dict())
-    state["embed_tokens.weight"] = widened(state["embed_tokens.weight"])
-    model.model.language_model.load_state_dict(state)
-    if not text_model.config.tie_word_embeddings:
-        model.lm_head.weight.data.copy_(widened(text_model.lm_head.weight.detach()))
-    else:
-        model.tie_weights()
 
 
 def build_smollm2_vision(target: Path) -> Path:

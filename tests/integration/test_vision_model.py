@@ -104,3 +104,25 @@ def test_trainable_patterns_train_the_vision_side_of_a_frozen_language_model(vis
     assert {"model.multi_modal_projector.linear_1.weight", "model.vision_tower.embeddings.patch_embedding.weight"} <= changed
     with pytest.raises(ValueError, match="matches no parameter"):
         TrainingEngine(model, tokenizer, TrainConfig(trainable=["vision.*"]), temperature=1.0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_text_models_weights_are_taken_over_exactly(tied):
+    from rlx.models.audio import add_audio_tower
+    from rlx.models.tiny import char_tokenizer, tiny_model
+    from rlx.models.vision import add_vision_tower
+
+    for add_tower in (add_vision_tower, add_audio_tower):
+        tokenizer = char_tokenizer()
+        text = tiny_model(len(tokenizer))
+        if tied:
+            text.config.tie_word_embeddings = True
+            text.tie_weights()
+        vocab = len(tokenizer)
+        model = add_tower(text, tokenizer)
+        embeddings, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        assert torch.equal(embeddings[:vocab], text.get_input_embeddings().weight)
+        assert torch.equal(head[:vocab], text.get_output_embeddings().weight)
+        assert torch.allclose(embeddings[vocab], text.get_input_embeddings().weight.mean(0))  # the new token
+        layer = "layers.0.self_attn.q_proj.weight"
+        assert torch.equal(model.model.language_model.state_dict()[layer], text.model.state_dict()[layer])
