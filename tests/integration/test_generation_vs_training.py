@@ -145,3 +145,21 @@ def test_a_shared_snapshot_becomes_the_weights_and_is_never_written(tiny, tiny_p
     else:
         raise AssertionError("weights with the wrong names were accepted")
     assert engine.weight_version == 3
+
+
+def test_a_prompt_shared_by_a_group_is_prefilled_once(tiny):
+    """The n samples of a prompt share its prefill: one cache row per distinct prompt, copied to
+    each sample, which then samples on its own; the log-probs still equal the trainer's."""
+    model, tokenizer = tiny
+    batches = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: batches.append(
+        (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]).shape[:2]),
+        with_kwargs=True)
+    try:
+        group = [GenerationRequest(i, r.prompt_ids) for i, r in enumerate(_requests(tokenizer, PROMPTS * 4))]
+        results = _engine(model, tokenizer).generate(group, SamplingParams(temperature=1.0, max_new_tokens=12, seed=4))
+    finally:
+        hook.remove()
+    assert batches[0][0] == len(PROMPTS) and all(b == (16, 1) for b in batches[1:3])  # 4 prefilled, 16 decode
+    assert len({tuple(r.response_ids) for r in results}) > len(PROMPTS)  # each sample drew its own tokens
+    assert _max_logprob_gap(model, tokenizer, results, 1.0) < 1e-4

@@ -11,6 +11,9 @@ With `record_routes` (mixture-of-experts models) every forward's router choices 
 a result's `routed_experts` covers its prompt (prefill) and each generated token fed back, in the
 layout of `rlx.models.moe`, whatever the batch did around the row (merges, compaction, refills).
 
+A prompt shared by several requests (the n samples of a GRPO group: same tokens, same media object)
+is prefilled once and its cache row copied to each of them, which then sample on their own.
+
 M-RoPE models (Qwen-VL) are prefilled with the 3-D positions of `rlx.media.positions`; each row's
 next position then carries its own delta (how far its media put its positions behind its token
 count), so rows keep their positions as they join and leave the batch.
@@ -245,8 +248,24 @@ class HFGenerationEngine(StreamingEngine):
             return any(tail.endswith(s) for s in params.stop)
         return False
 
-    @torch.inference_mode()
     def _prefill(self, requests: list[GenerationRequest]) -> _Running:
+        """Prefill each distinct prompt once (the n samples of a prompt group share theirs: same
+        tokens, same media object), then give every request its prompt's cache row, mask,
+        positions, logits and routes."""
+        distinct: dict[tuple, int] = {}
+        source = [distinct.setdefault((tuple(r.prompt_ids), id(r.media)), len(distinct)) for r in requests]
+        if len(distinct) == len(requests):
+            return self._prefill_rows(requests)
+        firsts = list({index: request for index, request in zip(source, requests)}.values())
+        running = self._prefill_rows(firsts)
+        prefilled = running.rows
+        running.select(source)  # each request's row of the cache, mask, positions and logits
+        running.rows = [_Row(request, prefilled[i].version, routes=list(prefilled[i].routes))
+                        for request, i in zip(requests, source)]
+        return running
+
+    @torch.inference_mode()
+    def _prefill_rows(self, requests: list[GenerationRequest]) -> _Running:
         width = max(len(r.prompt_ids) for r in requests)
         input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(requests), width), dtype=torch.long)
