@@ -23,6 +23,7 @@ from fractions import Fraction
 from rlx.agents.tools import TOOLS, Tool, ToolError
 
 _BITS_PER_DIGIT = math.log2(10)
+MAX_DEPTH = 200  # nesting of operators: counted, not left to Python's recursion limit, which libraries raise
 _BINARY = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
 
 
@@ -56,10 +57,7 @@ def evaluate(expression: str, max_digits: int = 1000, max_length: int = 2000) ->
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         detail = getattr(exc, "msg", None) or str(exc) or type(exc).__name__
         raise ToolError(f"Error: cannot parse {expression!r} as arithmetic ({detail}).") from None
-    try:
-        return _Evaluator(expression, max_digits).value(tree.body)
-    except RecursionError:
-        raise ToolError("Error: the expression is nested too deeply.") from None
+    return _Evaluator(expression, max_digits).value(tree.body)
 
 
 class _Evaluator:
@@ -68,14 +66,17 @@ class _Evaluator:
         self.max_bits = int(max_digits * _BITS_PER_DIGIT) + 1  # a cheap bound, to refuse powers uncomputed
         self.bound = 10 ** max_digits  # the exact one: the smallest number with max_digits + 1 digits
 
-    def value(self, node: ast.expr) -> Fraction:
+    def value(self, node: ast.expr, depth: int = 0) -> Fraction:
+        if depth > MAX_DEPTH:
+            raise ToolError(f"Error: the expression is nested too deeply (more than {MAX_DEPTH} levels).")
         if isinstance(node, ast.Constant):
             return self._checked(self._literal(node))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-            operand = self.value(node.operand)
+            operand = self.value(node.operand, depth + 1)
             return -operand if isinstance(node.op, ast.USub) else operand
         if isinstance(node, ast.BinOp) and isinstance(node.op, _BINARY):
-            return self._checked(self._binary(node.op, self.value(node.left), self.value(node.right)))
+            return self._checked(self._binary(node.op, self.value(node.left, depth + 1),
+                                              self.value(node.right, depth + 1)))
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitXor):
             raise ToolError("Error: '^' is not a power here; write powers with ** (e.g. 2 ** 10).")
         shown = ast.get_source_segment(self.source, node) or type(node).__name__

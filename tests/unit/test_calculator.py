@@ -85,3 +85,16 @@ def test_through_the_toolbox():
     failed = box.call("calculator", {"expression": "1 / 0"})
     assert (failed.text, failed.outcome) == ("Error: division by zero.", "error")
     assert box.call("calculator", {"expr": "1"}).outcome == "bad_arguments"
+
+
+def test_nesting_is_bounded_by_count_not_by_the_recursion_limit():
+    import sys
+
+    assert evaluate("-" * 150 + "1") == 1
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)  # as some libraries raise it: the bound must not move with it
+    try:
+        with pytest.raises(ToolError, match="nested too deeply"):
+            evaluate("-" * 1500 + "1")
+    finally:
+        sys.setrecursionlimit(before)
