@@ -122,6 +122,10 @@ class DataConfig(Section):
                                        "{image: images}; empty: text-only rows")
     media_limits: MediaLimits = Field(default_factory=MediaLimits)
     video: VideoSampling = Field(default_factory=VideoSampling)
+    image_pixels: tuple[int, int] | None = Field(
+        None, description="(min, max) pixels an image is resized into before patching (Qwen-VL's smart resize; "
+        "each side a multiple of patch x merge); default: the model family's (Qwen2/2.5-VL 3136-1003520, "
+        "Qwen3-VL 65536-16777216). More pixels: more image tokens")
     audio_sampling_rate: int = Field(AUDIO_SAMPLING_RATE, gt=0, description="audio is resampled to this rate (Hz), mono")
 
     @model_validator(mode="before")
@@ -130,6 +134,13 @@ class DataConfig(Section):
         if isinstance(raw, dict) and raw.get("source") in BUILT_IN_SIZES:
             return {**BUILT_IN_SIZES[raw["source"]], **raw}
         return raw
+
+    @field_validator("image_pixels")
+    @classmethod
+    def _pixel_bounds(cls, bounds: tuple[int, int] | None) -> tuple[int, int] | None:
+        if bounds is not None and not 0 < bounds[0] <= bounds[1]:
+            raise ValueError(f"data.image_pixels={list(bounds)} must be [min, max] with 0 < min <= max")
+        return bounds
 
     @field_validator("media_keys")
     @classmethod

@@ -86,11 +86,15 @@ class QwenVLProcessor:
     (`<|video_pad|>`) per video, alone or already between the vision start/end markers. Videos are read
     by `load_video` (default `rlx.media.video.load_video`), frames already sampled."""
 
-    def __init__(self, config: Any, limits: MediaLimits, load_video: VideoLoader | None = None) -> None:
-        """`load_video`: default `rlx.media.video.load_video` with its default sampling."""
+    def __init__(self, config: Any, limits: MediaLimits, load_video: VideoLoader | None = None,
+                 image_pixels: tuple[int, int] | None = None) -> None:
+        """`load_video`: default `rlx.media.video.load_video` with its default sampling;
+        `image_pixels`: (min, max) pixels of a resized image, default the family's."""
         from rlx.media.qwen_vl import QwenVisionSpec
 
-        self.spec, self.limits, self._load_video = QwenVisionSpec.from_model_config(config), limits, load_video
+        bounds = {"min_pixels": image_pixels[0], "max_pixels": image_pixels[1]} if image_pixels else {}
+        self.spec = QwenVisionSpec.from_model_config(config, **bounds)
+        self.limits, self._load_video = limits, load_video
         self.placeholder_ids = {"image": self.spec.image_token_id, "video": self.spec.video_token_id}
 
     def _video(self, item: MediaItem, where: str) -> list[np.ndarray]:
@@ -181,7 +185,8 @@ def processor_for(config: Any, data: DataConfig) -> MediaProcessor:
         from rlx.media.video import load_video
 
         return QwenVLProcessor(config, data.media_limits,
-                               lambda item, limits, where: load_video(item, limits, where, data.video))
+                               lambda item, limits, where: load_video(item, limits, where, data.video),
+                               data.image_pixels)
     if config.model_type in AUDIO_MODEL_TYPES:
         return WhisperAudioProcessor(config, data.media_limits, data.audio_sampling_rate)
     raise ValueError(f"model type {config.model_type!r} takes no media in rlx (data.media_keys is set): "

@@ -210,3 +210,16 @@ def test_a_second_turn_with_a_new_image_agrees_with_the_trainer_over_the_whole_t
     engine_side = torch.tensor(first.logprobs + second.logprobs)
     trainer_side = torch.cat([scored[:len(first.response_ids)], scored[start:start + len(second.response_ids)]])
     assert (trainer_side - engine_side).abs().max() < 1e-4
+
+
+def test_image_pixel_bounds_come_from_the_config(tiny):
+    big = row_of(0, [(300, 400)], 0)
+    default, _ = processor_for(tiny.config, DataConfig()).__call__([I], big)
+    bounded_processor = processor_for(tiny.config, DataConfig(image_pixels=(56 * 56, 4 * 28 * 28)))
+    bounded, media = bounded_processor([I], big)
+    factor = bounded_processor.spec.factor
+    height, width = (int(v) * bounded_processor.spec.patch_size for v in media["image_grid_thw"][0, 1:])
+    assert height * width <= 4 * 28 * 28 and height % factor == width % factor == 0
+    assert len(bounded) < len(default)  # fewer pixels: fewer image tokens
+    with pytest.raises(ValueError, match="image_pixels"):
+        DataConfig(image_pixels=(100, 10))
