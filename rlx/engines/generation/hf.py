@@ -256,8 +256,7 @@ class HFGenerationEngine(StreamingEngine):
         source = [distinct.setdefault((tuple(r.prompt_ids), id(r.media)), len(distinct)) for r in requests]
         if len(distinct) == len(requests):
             return self._prefill_rows(requests)
-        firsts = list({index: request for index, request in zip(source, requests)}.values())
-        running = self._prefill_rows(firsts)
+        running = self._prefill_rows([requests[source.index(i)] for i in range(len(distinct))])
         prefilled = running.rows
         running.select(source)  # each request's row of the cache, mask, positions and logits
         running.rows = [_Row(request, prefilled[i].version, routes=list(prefilled[i].routes))
