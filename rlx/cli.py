@@ -177,6 +177,8 @@ def _compare(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from rlx.bench.report import update_section
 
+    if args.what != "trl":
+        args.steps, args.eval_size = args.steps or 8, args.eval_size or 1000
     if args.what == "bus":
         from rlx.bench.bus import format_table, run_bus_benchmark
 
@@ -220,6 +222,13 @@ def _bench(args: argparse.Namespace) -> int:
 
         table = format_table(run_mm_benchmark(repeats=args.repeats))
         command = f"rlx bench mm --repeats {args.repeats}"
+    elif args.what == "trl":
+        from rlx.bench.trl import Settings, format_table, run_trl_benchmark
+
+        settings = Settings(steps=args.steps or Settings.steps, eval_size=args.eval_size or Settings.eval_size)
+        systems = tuple(args.systems.split(",")) if args.systems else ("trl", "rlx", "rlx-bf16")
+        table = format_table(run_trl_benchmark(Path(args.work_dir) / "trl", settings, systems))
+        command = f"rlx bench trl --steps {settings.steps} --eval-size {settings.eval_size} --systems {','.join(systems)}"
     elif args.what == "r3":
         from rlx.bench.r3 import format_table, run_r3_benchmark
 
@@ -284,14 +293,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side; results go to docs/benchmarks.md")
     bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms", "staleness", "agentic",
-                                          "r3", "shards", "mm"])
-    bench.add_argument("--steps", type=int, default=8, help="training steps per mode (pipeline, agentic) or per run "
-                       "(algorithms, staleness: the same sample budget for every run)")
+                                          "r3", "shards", "mm", "trl"])
+    bench.add_argument("--steps", type=int, help="training steps per mode (pipeline, agentic) or per run "
+                       "(algorithms, staleness, trl: the same sample budget for every run); 8, or 30 for trl")
+    bench.add_argument("--systems", help="trl: comma-separated systems to run, from trl, rlx, trl-bf16, rlx-bf16, "
+                       "rlx-vllm (default trl,rlx,rlx-bf16)")
     bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus, weights, r3, mm)")
     bench.add_argument("--work-dir", default="runs/bench", help="scratch folder for runs and models")
     bench.add_argument("--only", action="append", help="algorithms: run just this one (repeatable); the table "
                        "keeps earlier results found in --work-dir")
-    bench.add_argument("--eval-size", type=int, default=1000, help="staleness: held-out problems per evaluation")
+    bench.add_argument("--eval-size", type=int, help="staleness, trl: held-out problems per evaluation (1000, "
+                       "or 500 for trl)")
     bench.add_argument("--cells", help="staleness: run only these max_staleness:correction pairs (all seeds), "
                        "e.g. 0:none,4:decoupled; finished cells found in --work-dir stay in the table")
     bench.add_argument("--out", help="default docs/benchmarks.md (algorithms, staleness: docs/algorithms.md)")

@@ -17,6 +17,7 @@ import torch
 from rlx.config import EngineSettings, RunConfig
 from rlx.data import PromptRow, PromptStream, load_splits
 from rlx.data.prompts import encode_prompt
+from rlx.engines.attention import use_cpu_attention
 from rlx.engines.generation import EngineSpec, SamplingParams, build_generation_engine
 from rlx.engines.training import TrainingEngine
 from rlx.engines.training.forward import token_values
@@ -152,8 +153,12 @@ def build_teacher_rank(config: RunConfig, student_vocab: int) -> Reference:
 
 def load_policy(config: RunConfig, path: Path, dtype: str):
     """`(model, tokenizer)` of the policy for a trainer-side role; with R3 its routers replay the
-    routes that batches carry, with a load-balancing loss they keep what it needs."""
+    routes that batches carry, with a load-balancing loss they keep what it needs. Under bf16
+    autocast on CPU every trainer-side copy takes the same attention kernel, so ActorFwd's
+    log-probs stay the Actor's own."""
     model, tokenizer = load_pretrained(path, dtype, config.resources.device)
+    if config.train.bf16_autocast:
+        use_cpu_attention(model, bf16_training=True)
     if config.routing_replay == "r3" or config.algorithm.router_aux_loss_coef > 0:
         MoeRouting.of(model)
     return model, tokenizer

@@ -65,7 +65,7 @@ def _samples(results) -> list[Sample]:
 def test_replay_makes_the_trainer_route_as_a_bf16_engine_did(moe_path, one_thread):
     """A bf16 engine and an fp32 trainer route some tokens differently; with the routes replayed the
     trainer takes exactly the engine's experts and its log-probs move toward the engine's."""
-    results, tokenizer = _generate(moe_path, "bfloat16", count=16, batch=8)
+    results, tokenizer = _generate(moe_path, "bfloat16", count=48, batch=8)
     samples = _samples(results)
     model, _ = load_pretrained(moe_path)
     routing = MoeRouting.of(model)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlx.engines.generation.base import SamplingParams
-from rlx.engines.generation.hf import filter_logits, sample_next
+from rlx.engines.generation.hf import draw, filter_logits, sample_next
 from rlx.engines.training.batch import TokenBatch, collate
 from rlx.engines.training.schedule import lr_multiplier
 
@@ -119,6 +119,17 @@ def test_sampling_frequencies_follow_the_distribution():
     freq = torch.bincount(tokens, minlength=3).float() / 20000
     # binomial std at n=20000 is <= .0035; allow ~5 sigma
     torch.testing.assert_close(freq, probs, atol=0.02, rtol=0)
+
+
+def test_zero_probability_tokens_are_never_drawn():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0]).expand(20000, 5)
+    tokens = draw(probs, torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {1, 3}
+    # the extreme draws: a uniform of 0 takes the first token with mass, one of nearly 1 the last
+    assert draw(torch.tensor([[0.0, 0.0, 1.0, 0.0]]), None).item() == 2
+    lone = torch.tensor([[0.0, 1.0, 0.0]])
+    for seed in range(50):
+        assert draw(lone, torch.Generator().manual_seed(seed)).item() == 1
 
 
 def test_bf16_logits_are_upcast():

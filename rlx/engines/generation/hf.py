@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlx.engines.attention import use_cpu_attention
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
 from rlx.engines.generation.kv_cache import GrowingCache
 from rlx.media.inputs import concat_media, media_token_ids
@@ -67,11 +68,27 @@ def sample_next(
     if params.temperature == 0:
         tokens = allowed.argmax(-1)
         return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    scaled = logits / params.temperature
-    logprobs = torch.log_softmax(scaled, -1)
-    probs = filter_logits(allowed / params.temperature, params.top_k, params.top_p).softmax(-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    logprobs = torch.log_softmax(logits / params.temperature, -1)
+    filtered = bool(never) or params.top_k > 0 or params.top_p < 1.0
+    probs = filter_logits(allowed / params.temperature, params.top_k, params.top_p).softmax(-1) if filtered \
+        else logprobs.exp()
+    tokens = draw(probs, generator)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row by inverse CDF: one uniform draw per row against the running sum.
+
+    Same distribution as `torch.multinomial(probs, 1)`, which draws an exponential per vocabulary
+    entry: at batch 32 and SmolLM2's 49k vocabulary that took 14 ms of a 70 ms decode step, this
+    takes about 1 ms. The first index whose running sum exceeds the target is never a
+    zero-probability token (the sum does not rise there); the target stays below the total even
+    when rounding would lift it there."""
+    cumulative = probs.cumsum(-1)
+    total = cumulative[:, -1:]
+    uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=total.dtype)
+    target = (uniform * total).minimum(total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, target, right=True).squeeze(-1)
 
 
 def _left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -154,6 +171,7 @@ class HFGenerationEngine(StreamingEngine):
         record_routes: bool = False,
     ) -> None:
         self.model = model.eval()
+        use_cpu_attention(model)
         self._routing = MoeRouting.of(model) if record_routes else None
         self._never = media_token_ids(model.config)
         self._mrope = uses_mrope(model)
