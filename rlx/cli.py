@@ -223,10 +223,10 @@ def _bench(args: argparse.Namespace) -> int:
         table = format_table(run_mm_benchmark(repeats=args.repeats))
         command = f"rlx bench mm --repeats {args.repeats}"
     elif args.what == "trl":
-        from rlx.bench.trl import Settings, format_table, run_trl_benchmark
+        from rlx.bench.trl import SYSTEMS, Settings, format_table, run_trl_benchmark
 
         settings = Settings(steps=args.steps or Settings.steps, eval_size=args.eval_size or Settings.eval_size)
-        systems = tuple(args.systems.split(",")) if args.systems else ("trl", "rlx", "rlx-bf16")
+        systems = tuple(args.systems.split(",")) if args.systems else SYSTEMS
         table = format_table(run_trl_benchmark(Path(args.work_dir) / "trl", settings, systems))
         command = f"rlx bench trl --steps {settings.steps} --eval-size {settings.eval_size} --systems {','.join(systems)}"
     elif args.what == "r3":
@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, help="training steps per mode (pipeline, agentic) or per run "
                        "(algorithms, staleness, trl: the same sample budget for every run); 8, or 30 for trl")
     bench.add_argument("--systems", help="trl: comma-separated systems to run, from trl, rlx, trl-bf16, rlx-bf16, "
-                       "rlx-vllm (default trl,rlx,rlx-bf16)")
+                       "rlx-vllm (default: all of them)")
     bench.add_argument("--repeats", type=int, default=10, help="rounds per workload (bus, weights, r3, mm)")
     bench.add_argument("--work-dir", default="runs/bench", help="scratch folder for runs and models")
     bench.add_argument("--only", action="append", help="algorithms: run just this one (repeatable); the table "

@@ -158,13 +158,19 @@ def run_trl(settings: Settings, system: str, out: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ the parent
 
 def run_system(settings: Settings, system: str, work_dir: Path) -> dict[str, Any]:
-    """One system in a fresh process; start-up counts from the launch."""
+    """One system in a fresh process (its output in `<work_dir>/<system>/log.txt`); start-up counts
+    from the launch. A system that fails is reported as failed, and the others still run."""
     out = work_dir / system
     out.mkdir(parents=True, exist_ok=True)
     (out / "settings.json").write_text(json.dumps(asdict(settings)))
+    (out / "result.json").unlink(missing_ok=True)
     launched = time.time()
-    subprocess.run([sys.executable, "-m", "rlx.bench.trl", system, str(out)], check=True,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    with (out / "log.txt").open("w") as log:
+        code = subprocess.run([sys.executable, "-m", "rlx.bench.trl", system, str(out)], stdout=log,
+                              stderr=subprocess.STDOUT,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}).returncode
+    if code != 0:
+        return {"error": f"exit status {code}, see {out / 'log.txt'}"}
     result = json.loads((out / "result.json").read_text())
     result["startup_s"] = result["first_step_at"] - launched
     return result
@@ -184,7 +190,7 @@ def held_out_accuracy(settings: Settings, model_dir: Path) -> float:
 
 
 def run_trl_benchmark(work_dir: Path, settings: Settings = Settings(),
-                      systems: tuple[str, ...] = ("trl", "rlx", "rlx-bf16")) -> dict[str, Any]:
+                      systems: tuple[str, ...] = SYSTEMS) -> dict[str, Any]:
     from rlx.models import resolve_model_path
 
     unknown = set(systems) - set(SYSTEMS)
@@ -193,7 +199,8 @@ def run_trl_benchmark(work_dir: Path, settings: Settings = Settings(),
     rows = {system: run_system(settings, system, work_dir) for system in systems}
     before = held_out_accuracy(settings, resolve_model_path(settings.model))
     for row in rows.values():
-        row["after"] = held_out_accuracy(settings, Path(row["model_dir"]))
+        if "error" not in row:
+            row["after"] = held_out_accuracy(settings, Path(row["model_dir"]))
     return {"settings": asdict(settings), "before": before, "rows": rows}
 
 
@@ -201,11 +208,14 @@ def format_table(result: dict[str, Any]) -> str:
     settings = result["settings"]
     samples = settings["prompts_per_step"] * settings["n"]
     rows = result["rows"]
-    base = rows["trl"] if "trl" in rows else next(iter(rows.values()))
-    base_rate = samples * base["steps"] / base["train_s"]
+    base = rows.get("trl", {"error": "not run"})
+    base_rate = samples * base["steps"] / base["train_s"] if "error" not in base else float("nan")
     lines = ["| system | samples/s | vs trl | s/step (median) | start-up to first step | held-out accuracy "
              "before → after | gain |", "|---|---|---|---|---|---|---|"]
     for system, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {system} | failed: {r['error']} | | | | | |")
+            continue
         rate = samples * r["steps"] / r["train_s"]
         median = sorted(r["step_s"])[len(r["step_s"]) // 2]
         lines.append(f"| {system} | {rate:.2f} | {rate / base_rate:.2f}x | {median:.2f} s | {r['startup_s']:.1f} s | "

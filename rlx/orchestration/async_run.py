@@ -12,13 +12,14 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from rlx.config import RunConfig
-from rlx.data import load_splits
+from rlx.data import PromptRow, load_splits
 from rlx.engines.generation.base import SamplingParams
 from rlx.models import load_tokenizer
 from rlx.obs import Alerts, MetricsWriter, plot_run
@@ -41,19 +42,28 @@ from rlx.orchestration.plan import build_plan
 from rlx.orchestration.reports import Cursor
 from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
 from rlx.orchestration.url_engines import UrlEngines
+from rlx.roles import GenRM, Reward
 from rlx.weights.sync import CoordinatorUnavailable, WeightReader, WeightSync
 
 POLL_S = 2.0  # status round trips cost CPU the roles need
 
 
+@dataclass(frozen=True)
+class RunInputs:
+    """What the driver reads once before any service starts: both data splits and the reward."""
+
+    train_rows: list[PromptRow]
+    eval_rows: list[PromptRow]
+    reward: Reward | GenRM
+
+
 class DriverEvaluator:
     """Greedy held-out evaluation in the driver, on the latest published weights."""
 
-    def __init__(self, config: RunConfig, weights: WeightSync) -> None:
+    def __init__(self, config: RunConfig, weights: WeightSync, rows: list[PromptRow], reward: Reward | GenRM) -> None:
         self.config, self.weights = config, WeightReader(weights)
-        self.rows = load_splits(config.data)[1]
+        self.rows, self.reward = rows, reward
         self.rollout = build_rollout(config, model_path(config))
-        self.reward = build_reward_role(config)
         self.encode = prompt_encoder(config, self.rollout)
         self.params: SamplingParams = sampling_params(config, seed=0, greedy=True)
 
@@ -72,8 +82,9 @@ class AsyncRun:
     """One async run, and the RunControl the management API drives."""
 
     def __init__(self, config: RunConfig, run_dir: Path, echo: Callable[[str], None], alerts: Alerts,
-                 faults: DriverFaults) -> None:
+                 faults: DriverFaults, inputs: RunInputs) -> None:
         self.config, self.run_dir, self.echo, self.alerts = config, run_dir, echo, alerts
+        self.inputs = inputs
         self.controller, self.faults = Controller(config, echo), faults
         self.step = 0
         self.stop_requested = threading.Event()
@@ -219,8 +230,8 @@ class AsyncRun:
     def run(self, writer: MetricsWriter, started: float, resume: bool) -> None:
         cfg, t, c = self.config, self.config.train, self.controller
         checkpoint = latest_checkpoint(self.run_dir, resuming=True) if resume else None
-        c.start_substrate(self.run_dir, checkpoint)
-        evaluator = DriverEvaluator(cfg, c.weights)
+        c.start_substrate(self.run_dir, self.inputs.train_rows, checkpoint)
+        evaluator = DriverEvaluator(cfg, c.weights, self.inputs.eval_rows, self.inputs.reward)
         if checkpoint is None:
             writer.write(0, evaluator())  # the initial weights, before any role competes for the CPU
         else:
@@ -296,13 +307,14 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
               echo: Callable[[str], None] = print) -> Path:
     faults = DriverFaults(config, build_plan(config))  # a fault for a role the run lacks fails here
     run_dir = prepare_run_dir(config, resume, overwrite)
-    # bad data, a prompt over data.max_prompt_tokens or a reward that cannot load stop the run before any service
-    load_splits(config.data, load_tokenizer(model_path(config)))
-    build_reward_role(config)
+    # bad data, a prompt over data.max_prompt_tokens or a reward that cannot load stop the run before any service;
+    # loaded once here, for the prompt source and the driver's evaluation
+    train_rows, eval_rows = load_splits(config.data, load_tokenizer(model_path(config)))
+    inputs = RunInputs(train_rows, eval_rows, build_reward_role(config))
     prepare_process(config)
     alerts = Alerts(config.logging.alerts, config.logging.name)
     started = time.perf_counter()
-    run = AsyncRun(config, run_dir, echo, alerts, faults)
+    run = AsyncRun(config, run_dir, echo, alerts, faults, inputs)
     writer = MetricsWriter.for_run(run_dir, config, echo=echo)
     SPANS.open(run_folder(run_dir), "driver")  # each role's replicas write their own (services.py)
     try:

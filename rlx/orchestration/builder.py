@@ -26,6 +26,7 @@ from rlx.models import load_pretrained, load_tokenizer, load_value_model, resolv
 from rlx.models.moe import MoeRouting
 from rlx.orchestration.plan import RolePlan, build_plan
 from rlx.orchestration.prompt_source import PromptSource
+from rlx.orchestration.rank_group import is_rank_of_group
 from rlx.orchestration.staleness import StalenessGate
 from rlx.orchestration.workers import (
     NO_CHECKPOINTS,
@@ -174,7 +175,7 @@ def build_actor(config: RunConfig, path: Path) -> Actor | RankGroup:
 def build_actor_rank(config: RunConfig, path: Path) -> Actor:
     """The Actor of this process: sharded when it is a rank of a process group."""
     model, tokenizer = load_policy(config, path, "float32")
-    if not torch.distributed.is_initialized():
+    if not is_rank_of_group():
         # parameters in publish-ready buckets: each DCS publish is then one copy per bucket, no packing
         flatten_parameters(model, int(config.weights.bucket_mb * (1 << 20)))
     engine = training_engine_class()(model, tokenizer, config.train, config.rollout.temperature)
@@ -183,7 +184,7 @@ def build_actor_rank(config: RunConfig, path: Path) -> Actor:
 
 def training_engine_class() -> type[TrainingEngine]:
     """The FSDP2 engine on a rank of a process group (imported only there), else the one-process one."""
-    if torch.distributed.is_initialized():
+    if is_rank_of_group():
         from rlx.engines.training.fsdp import ShardedTrainingEngine
 
         return ShardedTrainingEngine
@@ -219,7 +220,7 @@ def build_reference_rank(config: RunConfig, path: Path) -> Reference:
 def forward_role(config: RunConfig, model: PreTrainedModel) -> type[Reference]:
     """On a rank of a process group: `model` sharded, and the class that runs its forwards in
     lockstep (imported only there); else the one-process `Reference`."""
-    if not torch.distributed.is_initialized():
+    if not is_rank_of_group():
         return Reference
     from rlx.engines.training.fsdp import ShardedReference, shard_model
 

@@ -16,7 +16,7 @@ from ray import serve
 
 from rlx.bus.ray_bus import Bus
 from rlx.config import RunConfig
-from rlx.data import load_splits
+from rlx.data import PromptRow
 from rlx.orchestration.builder import prompt_source
 from rlx.orchestration.cluster import start_ray, stop_ray
 from rlx.orchestration.heartbeats import RemoteHeartbeats
@@ -69,8 +69,9 @@ class Controller:
         self.started_ray = False
         self.weights: WeightSync | None = None  # the weight coordinator, once the substrate is up
 
-    def start_substrate(self, run_dir: Path, resume_from: Path | None = None) -> None:
-        """`resume_from`: a checkpoint whose bus and prompt-source state the run continues from."""
+    def start_substrate(self, run_dir: Path, train_rows: list[PromptRow], resume_from: Path | None = None) -> None:
+        """`train_rows` feed the prompt source; `resume_from`: a checkpoint whose bus and
+        prompt-source state the run continues from."""
         cfg = self.config
         self.started_ray = not ray.is_initialized()
         res = cfg.resources
@@ -80,7 +81,7 @@ class Controller:
                                            * (cfg.train.max_staleness + 2)))
         w = cfg.weights
         self.weights = WeightSync.create(w.channel, w.bucket_mb, w.timeout_s)
-        source = prompt_source(cfg, load_splits(cfg.data)[0])
+        source = prompt_source(cfg, train_rows)
         self.prompts = PromptSourceClient(RemotePromptSource.remote(source.stream, source.gate))
         beats = RemoteHeartbeats.remote()
         self.heartbeats = HeartbeatsClient(beats)

@@ -59,6 +59,17 @@ def split_by_tokens(samples: list[Sample], ranks: int) -> list[list[int]]:
     return [sorted(part) for part in parts]
 
 
+_RANK_OF_GROUP = False  # set in a RankProcess before its role is built
+
+
+def is_rank_of_group() -> bool:
+    """Whether this process is a rank of an rlx rank group (its roles shard their models).
+
+    Not `torch.distributed.is_initialized()`: a library may start a process group of its own in
+    any process (vLLM does, world size 1, when a colocated run builds its engine)."""
+    return _RANK_OF_GROUP
+
+
 class RankLost(RuntimeError):
     """A rank process of the group died: the group (and the role) cannot go on."""
 
@@ -85,6 +96,8 @@ class RankProcess:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would otherwise pick the hostname's interface
         torch.set_num_threads(threads)
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world)
+        global _RANK_OF_GROUP
+        _RANK_OF_GROUP = True
         self.role = build()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -487,7 +487,12 @@ class ActorWorker(Worker):
         loader = self._loader(rows)
         seen: list[Sample] = []
         filtered: Counter = Counter()
+        trainable: list[Sample] = []  # filled to whole micro-batches: each pass costs a constant besides its rows
         trained = 0
+
+        def accumulate(batch: list[Sample]) -> None:
+            self._timed(lambda: self.role.accumulate(batch), "train", step=version + 1, rows=len(batch))
+
         self.role.begin_step()
         for row_ids, values in self._waiting_for(loader):
             samples = to_samples(row_ids, values)
@@ -495,11 +500,15 @@ class ActorWorker(Worker):
                 if sample.filter_reason is None and not self.gate.is_fresh(sample.behavior_version, version):
                     sample.filter_reason = "stale"
             seen.extend(samples)
-            trainable = [s for s in samples if s.filter_reason is None]
+            trainable += [s for s in samples if s.filter_reason is None]
             filtered.update(s.filter_reason for s in samples if s.filter_reason is not None)
-            if trainable:
-                self._timed(lambda: self.role.accumulate(trainable), "train", step=version + 1, rows=len(trainable))
-                trained += len(trainable)
+            while len(trainable) >= self.micro_batch_size:
+                accumulate(trainable[: self.micro_batch_size])
+                trained += self.micro_batch_size
+                trainable = trainable[self.micro_batch_size :]
+        if trainable:
+            accumulate(trainable)
+            trained += len(trainable)
         # with PPO epochs or mini-batches every update runs here: beat through it, it is no hang
         metrics = self._timed(lambda: self._beating_while(self.role.finish_step), "train", step=version + 1,
                               phase="optimizer")

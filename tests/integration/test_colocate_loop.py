@@ -85,3 +85,21 @@ def test_a_reference_that_follows_the_policy_is_reset_every_n_steps(tiny_path, t
     assert len(kls) == 6
     assert all(abs(kls[step - 1]) < 1e-6 for step in (1, 3, 5)), kls  # right after a reset
     assert all(kls[step - 1] > 1e-6 for step in (2, 4, 6)), kls  # one update away from it
+
+
+def test_the_actor_trains_in_whole_micro_batches_whatever_the_filter_drops(tiny_path, tmp_path):
+    """Groups of equal rewards are dropped from the bus's micro-batches; the rows left are gathered
+    into whole micro-batches (each pass costs a constant besides its rows), the remainder last."""
+    config = toy_config(tiny_path, tmp_path, train__steps=4, train__micro_batch_size=12)  # groups of 8 straddle them
+    run_dir = run_colocate(config, echo=lambda _: None)
+    trained = {r["step"]: int(r["trained_samples"]) for r in read_metrics(run_dir) if "trained_samples" in r}
+    spans = [json.loads(line) for path in (run_dir / "timeline").glob("*.jsonl")
+             for line in path.read_text().splitlines()]
+    passes: dict[int, list[int]] = {}
+    for span in spans:
+        if span.get("name") == "train" and "rows" in span.get("args", {}):
+            passes.setdefault(span["args"]["step"], []).append(span["args"]["rows"])
+    assert any(0 < count < 32 for count in trained.values()), trained  # the filter dropped some groups
+    for step, count in trained.items():
+        full, rest = divmod(count, 12)
+        assert sorted(passes.get(step, []), reverse=True) == [12] * full + ([rest] if rest else []), (step, passes)

@@ -33,8 +33,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlx.engines.attention import use_cpu_attention
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
 from rlx.engines.generation.kv_cache import GrowingCache
-from rlx.media.inputs import concat_media, media_token_ids
 from rlx.media.encode import forward_inputs
+from rlx.media.inputs import concat_media, media_token_ids
 from rlx.media.positions import POSITION_INPUTS, linear_positions, mrope_positions, uses_mrope
 from rlx.models.moe import MoeRouting, stack_captured
 
