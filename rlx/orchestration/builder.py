@@ -17,7 +17,6 @@ import torch
 from rlx.config import EngineSettings, RunConfig
 from rlx.data import PromptRow, PromptStream, load_splits
 from rlx.data.prompts import encode_prompt
-from rlx.engines.attention import use_cpu_attention
 from rlx.engines.generation import EngineSpec, SamplingParams, build_generation_engine
 from rlx.engines.training import TrainingEngine
 from rlx.engines.training.forward import token_values
@@ -157,6 +156,8 @@ def load_policy(config: RunConfig, path: Path, dtype: str):
     routes that batches carry, with a load-balancing loss they keep what it needs. Under bf16
     autocast on CPU every trainer-side copy takes the same attention kernel, so ActorFwd's
     log-probs stay the Actor's own."""
+    from rlx.engines.attention import use_cpu_attention  # imports transformers: services without a model skip it
+
     model, tokenizer = load_pretrained(path, dtype, config.resources.device)
     if config.train.bf16_autocast:
         use_cpu_attention(model, bf16_training=True)

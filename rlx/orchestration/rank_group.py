@@ -70,6 +70,13 @@ def is_rank_of_group() -> bool:
     return _RANK_OF_GROUP
 
 
+def _mark_rank_of_group() -> None:
+    """Set from a `RankProcess`. A function of this module, not a `global` statement in the actor's
+    method: Ray ships the actor's class by value, with a copy of this module's globals."""
+    global _RANK_OF_GROUP
+    _RANK_OF_GROUP = True
+
+
 class RankLost(RuntimeError):
     """A rank process of the group died: the group (and the role) cannot go on."""
 
@@ -96,8 +103,7 @@ class RankProcess:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would otherwise pick the hostname's interface
         torch.set_num_threads(threads)
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world)
-        global _RANK_OF_GROUP
-        _RANK_OF_GROUP = True
+        _mark_rank_of_group()
         self.role = build()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
