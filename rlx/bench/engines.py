@@ -75,15 +75,17 @@ def _measure(kind: str, spec: EngineSpec, prompts: int, params: SamplingParams) 
 
 def run_engines_benchmark(prompts: int = 64, max_new_tokens: int = 128, engines: tuple[str, ...] = ("hf", "vllm")
                           ) -> list[dict[str, float | str]]:
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlx.models import load_pretrained, resolve_model_path
+    from rlx.models import resolve_model_path
 
     spec = EngineSpec(resolve_model_path(MODEL), max_batch_size=prompts)
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=0)
     rows = [_measure(kind, spec, prompts, params) for kind in engines]
-    parameters = sum(p.numel() for p in load_pretrained(spec.path)[0].parameters())
-    bandwidth, flops = machine_rates(prompts, AutoConfig.from_pretrained(spec.path).hidden_size, torch.float32)
+    config = AutoConfig.from_pretrained(spec.path)
+    with torch.device("meta"):  # the parameter count from the architecture alone: no weights read
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    bandwidth, flops = machine_rates(prompts, config.hidden_size, torch.float32)
     for row in rows:
         row["bound_s"] = decode_bound_s(row["tokens"], row["steps"], parameters, 4 * parameters, bandwidth, flops)
         row["bandwidth"], row["flops"] = bandwidth, flops

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx.config import RunConfig, build_config
+from rlx.data.rows import PromptRow
 
 SYSTEMS = ("trl", "rlx", "trl-bf16", "rlx-bf16", "rlx-vllm")
 
@@ -69,7 +70,7 @@ def rlx_config(settings: Settings, run_dir: Path, system: str = "rlx", eval_size
     })
 
 
-def train_prompts(settings: Settings) -> list:
+def train_prompts(settings: Settings) -> list[PromptRow]:
     """The rows rlx's run takes, in the order it takes them: TRL gets exactly these."""
     from rlx.data import PromptStream, load_splits
 
@@ -83,14 +84,13 @@ def train_prompts(settings: Settings) -> list:
 def run_rlx(settings: Settings, system: str, out: Path) -> dict[str, Any]:
     """Train with rlx's colocated loop; times from its metrics and its timeline (wall clock)."""
     from rlx.obs.metrics import read_metrics
+    from rlx.obs.trace import read_trace
     from rlx.orchestration.colocate import run_colocate
     from rlx.orchestration.run_dir import latest_checkpoint
 
     run_dir = run_colocate(rlx_config(settings, out / "run", system), overwrite=True, echo=lambda _: None)
     steps = [r for r in read_metrics(run_dir) if "time_step_s" in r]
-    spans = [json.loads(line) for path in sorted((run_dir / "timeline").glob("*.jsonl"))
-             for line in path.read_text().splitlines()]
-    first_start = min(s["t0"] for s in spans if s.get("name") == "generate") / 1e6
+    first_start = min(s.t0 for s in read_trace(run_dir).spans if s.name == "generate") / 1e6
     # metrics' wall_time_s share one clock; a step ends at its wall time and lasts time_step_s
     span_s = steps[-1]["wall_time_s"] - (steps[0]["wall_time_s"] - steps[0]["time_step_s"])
     return {"first_step_at": first_start, "train_s": span_s, "steps": len(steps),
@@ -113,8 +113,7 @@ def run_trl(settings: Settings, system: str, out: Path) -> dict[str, Any]:
     messages = [[{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": row.prompt}]
                 for row in rows]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    theirs = tokenizer.apply_chat_template(messages[0], add_generation_prompt=True, tokenize=True)
-    theirs = theirs["input_ids"] if isinstance(theirs, dict) or hasattr(theirs, "keys") else theirs
+    theirs = tokenizer.apply_chat_template(messages[0], add_generation_prompt=True, tokenize=True, return_dict=False)
     ours = prompt_token_ids(rows[0], tokenizer, settings.system_prompt, True)
     if list(theirs) != list(ours):
         raise RuntimeError(f"TRL's prompt tokens differ from rlx's: {list(theirs)[:20]}... vs {ours[:20]}...")
@@ -143,8 +142,8 @@ def run_trl(settings: Settings, system: str, out: Path) -> dict[str, Any]:
         num_generations=settings.n, max_completion_length=settings.max_new_tokens,
         temperature=settings.temperature, learning_rate=settings.lr, lr_scheduler_type="constant",
         max_steps=settings.steps, epsilon=0.2, beta=0.0, loss_type="dapo", num_iterations=1,
-        shuffle_dataset=False, seed=settings.seed, model_init_kwargs={"dtype": "float32"}, use_cpu=True, bf16=system == "trl-bf16",
-        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0)
+        shuffle_dataset=False, seed=settings.seed, model_init_kwargs={"dtype": "float32"}, use_cpu=True,
+        bf16=system == "trl-bf16", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0)
     dataset = Dataset.from_list([{"prompt": m, "index": i} for i, m in enumerate(messages)])
     trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=args, train_dataset=dataset,
                           callbacks=[Clock()])

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from rlx.config import build_config
 from rlx.obs.metrics import read_metrics
+from rlx.obs.trace import read_trace
 from rlx.orchestration.colocate import run_colocate
 
 
@@ -93,12 +94,10 @@ def test_the_actor_trains_in_whole_micro_batches_whatever_the_filter_drops(tiny_
     config = toy_config(tiny_path, tmp_path, train__steps=4, train__micro_batch_size=12)  # groups of 8 straddle them
     run_dir = run_colocate(config, echo=lambda _: None)
     trained = {r["step"]: int(r["trained_samples"]) for r in read_metrics(run_dir) if "trained_samples" in r}
-    spans = [json.loads(line) for path in (run_dir / "timeline").glob("*.jsonl")
-             for line in path.read_text().splitlines()]
     passes: dict[int, list[int]] = {}
-    for span in spans:
-        if span.get("name") == "train" and "rows" in span.get("args", {}):
-            passes.setdefault(span["args"]["step"], []).append(span["args"]["rows"])
+    for span in read_trace(run_dir).spans:
+        if span.name == "train" and "rows" in span.args:
+            passes.setdefault(span.args["step"], []).append(span.args["rows"])
     assert any(0 < count < 32 for count in trained.values()), trained  # the filter dropped some groups
     for step, count in trained.items():
         full, rest = divmod(count, 12)
