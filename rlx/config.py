@@ -466,6 +466,11 @@ class TrainConfig(Section):
                             "the first, so the clip acts")
     mini_batches: int = Field(1, ge=1, description="optimizer updates per epoch; a sample's mini-batch is a "
                               "seeded function of its uid, never of arrival or length order")
+    share_prompts: bool = Field(
+        True, description="rows of a micro-batch that share a prompt (a GRPO group) run it once and reuse its KV "
+        "cache for their responses, in every trainer-side forward (Actor, ActorFwd, Reference, Teacher): the same "
+        "log-probs and gradients up to float rounding, fewer FLOPs. Not applied to media, replayed MoE routes, "
+        "activation checkpointing or rank groups (resources.*.ranks > 1)")
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="training compute precision. bfloat16: the Actor's and the Critic's forward and "
         "backward run under bf16 autocast, while their weights, gradients and AdamW state stay float32 (rlx keeps "

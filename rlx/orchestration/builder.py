@@ -148,7 +148,7 @@ def build_teacher_rank(config: RunConfig, student_vocab: int) -> Reference:
                           f"and the student {student_vocab}: distillation scores the student's tokens, so both "
                           "need the same tokenizer")
     return forward_role(config, model)(model, tokenizer.pad_token_id, config.rollout.temperature,
-                                       config.train.micro_batch_size)
+                                       config.train.micro_batch_size, share_prompts=shares_prompts(config))
 
 
 def load_policy(config: RunConfig, path: Path, dtype: str):
@@ -215,7 +215,14 @@ def build_reference(config: RunConfig, path: Path) -> Reference | RankGroup | No
 def build_reference_rank(config: RunConfig, path: Path) -> Reference:
     model, tokenizer = load_policy(config, path, config.train.param_dtype)
     return forward_role(config, model)(model, tokenizer.pad_token_id, config.rollout.temperature,
-                                       config.train.micro_batch_size, config.algorithm.kl_reference_refresh_every)
+                                       config.train.micro_batch_size, config.algorithm.kl_reference_refresh_every,
+                                       share_prompts=shares_prompts(config))
+
+
+def shares_prompts(config: RunConfig) -> bool:
+    """Whether this process's forward-only role runs each shared prompt once: never on a rank of a
+    group, whose ranks must run the same forwards in lockstep."""
+    return config.train.share_prompts and not is_rank_of_group()
 
 
 def forward_role(config: RunConfig, model: PreTrainedModel) -> type[Reference]:
@@ -234,7 +241,7 @@ def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd:
     the Actor's own, so the proximal ratio is exactly 1 there, not bf16 rounding noise."""
     model, tokenizer = load_policy(config, path, "float32")
     return ActorFwd(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size,
-                    bf16=config.train.bf16_autocast)
+                    bf16=config.train.bf16_autocast, share_prompts=config.train.share_prompts)
 
 
 def build_reward_role(config: RunConfig) -> Reward | GenRM:

@@ -16,16 +16,18 @@ class Reference:
     timeline_role = "reference"  # the role its weight loads are recorded under (`rlx.obs.timeline`)
 
     def __init__(self, model, pad_token_id: int, temperature: float, micro_batch_size: int,
-                 refresh_every: int = 0, bf16: bool = False) -> None:
+                 refresh_every: int = 0, bf16: bool = False, share_prompts: bool = False) -> None:
         """`refresh_every` > 0: the reference takes the policy's weights once they are that many
         versions newer than its own (a periodically reset KL anchor); 0: it stays frozen. `bf16`:
-        forwards under bf16 autocast, as the trainer runs them (ActorFwd: the same numerics)."""
+        forwards under bf16 autocast, as the trainer runs them (ActorFwd: the same numerics).
+        `share_prompts`: rows that share a prompt run it once (`rlx.engines.training.forward`)."""
         self.model = model.eval().requires_grad_(False)
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
         self.refresh_every = refresh_every
         self.bf16 = bf16
+        self.share_prompts = share_prompts
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with torch.no_grad(), SPANS.span("load_weights", self.timeline_role, version=version):
@@ -56,7 +58,7 @@ class Reference:
         out = []
         for chunk in self._passes(chunks):
             logprobs, _ = token_logprobs(self.model, samples_to_batch(chunk, self.pad_token_id), self.temperature,
-                                         bf16=self.bf16)
+                                         bf16=self.bf16, share_prompts=self.share_prompts)
             out.extend(lp[: len(s.response_ids)].tolist() for s, lp in zip(chunk, logprobs))
         return out[: len(samples)]
 

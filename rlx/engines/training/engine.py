@@ -62,7 +62,8 @@ class TrainingEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.temperature = temperature
-        self.forward: Forward = forward or functools.partial(token_logprobs, temperature=temperature)
+        self.forward: Forward = forward or functools.partial(token_logprobs, temperature=temperature,
+                                                             share_prompts=config.share_prompts)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # fused: one kernel over all parameters; on CPU about 7x faster than the per-tensor loop

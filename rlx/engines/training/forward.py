@@ -1,4 +1,7 @@
-"""Per-token log-probs (and entropy) of response tokens, under the sampling temperature."""
+"""Per-token log-probs (and entropy) of response tokens, under the sampling temperature.
+
+With `share_prompts`, rows that share a prompt run it once (`rlx.engines.training.prompt_sharing`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.engines.training.batch import TokenBatch
+from rlx.engines.training.prompt_sharing import prompt_groups, shared_prompt_logits
 from rlx.media.encode import forward_inputs
 from rlx.media.inputs import concat_media
 from rlx.media.positions import POSITION_INPUTS, position_ids
@@ -48,19 +52,30 @@ def forward_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, **kwar
         ).logits
 
 
+def response_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, share_prompts: bool) -> torch.Tensor:
+    """[B, R, V] logits predicting the response tokens (column r predicts `response_ids[:, r]`)."""
+    groups = prompt_groups(model, batch) if share_prompts else None
+    if groups is not None:
+        with autocast_context(model, bf16):
+            return shared_prompt_logits(model, batch, groups)
+    return forward_logits(model, batch, bf16, logits_to_keep=batch.response_width + 1)[:, :-1]
+
+
 def token_logprobs(
     model: PreTrainedModel,
     batch: TokenBatch,
     temperature: float = 1.0,
     with_entropy: bool = False,
     bf16: bool = False,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return ([B, R] log-probs of `batch.response_ids`, [B, R] entropies or None).
 
     Greedy sampling (temperature 0) is scored at temperature 1, as the generation engine does.
+    `share_prompts`: rows that share a prompt run it once (see the module docstring).
     """
     device = next(model.parameters()).device
-    logits = forward_logits(model, batch, bf16, logits_to_keep=batch.response_width + 1)[:, :-1]
+    logits = response_logits(model, batch, bf16, share_prompts)
     logits = logits.float() / (temperature if temperature > 0 else 1.0)
     logprobs_all = torch.log_softmax(logits, dim=-1)
     targets = batch.response_ids.to(device).unsqueeze(-1)

@@ -87,7 +87,9 @@ class ShardedTrainingEngine(TrainingEngine):
         if config.activation_checkpointing:  # before sharding: the layers keep their checkpoint wrappers
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         shard_model(model, config)
-        super().__init__(model, tokenizer, config.model_copy(update={"activation_checkpointing": False}),
+        # every rank must run the same forwards in lockstep: one per micro-batch, never the prompt-once pair
+        super().__init__(model, tokenizer, config.model_copy(update={"activation_checkpointing": False,
+                                                                     "share_prompts": False}),
                          temperature, forward)
         # the base engine's bf16 autocast is replaced by FSDP2's mixed precision (bf16 gathered parameters)
         self.config = config.model_copy(update={"param_dtype": "float32"})
