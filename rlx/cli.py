@@ -15,6 +15,9 @@ from rlx.errors import ConfigError, UserError
 
 
 def _train(args: argparse.Namespace) -> int:
+    from rlx.obs.timeline import SPANS
+
+    SPANS.launch_is_this_run()
     config = load_config(args.config, args.overrides)
     if config.train.mode == "async":
         from rlx.orchestration.async_run import run_async as run
@@ -152,7 +155,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from rlx.obs.trace import write_timeline
+    from rlx.obs.trace import startup_parts, write_timeline
 
     window = None
     if args.window:
@@ -164,6 +167,10 @@ def _timeline(args: argparse.Namespace) -> int:
             raise UserError(f"--window {args.window}: give START:END in seconds, START < END (e.g. 120:180)")
     json_path, png_path, trace = write_timeline(Path(args.run_dir), window)
     print(f"{json_path} ({len(trace.spans)} spans; open it in Perfetto or chrome://tracing)\n{png_path}")
+    parts, first_step_s = startup_parts(trace)
+    if first_step_s is not None:
+        print(f"start-up: {first_step_s:.1f} s to the first generation; "
+              + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts))
     return 0
 
 

@@ -84,10 +84,12 @@ def train_prompts(settings: Settings) -> list[PromptRow]:
 def run_rlx(settings: Settings, system: str, out: Path) -> dict[str, Any]:
     """Train with rlx's colocated loop; times from its metrics and its timeline (wall clock)."""
     from rlx.obs.metrics import read_metrics
+    from rlx.obs.timeline import SPANS
     from rlx.obs.trace import read_trace
     from rlx.orchestration.colocate import run_colocate
     from rlx.orchestration.run_dir import latest_checkpoint
 
+    SPANS.launch_is_this_run()
     run_dir = run_colocate(rlx_config(settings, out / "run", system), overwrite=True, echo=lambda _: None)
     steps = [r for r in read_metrics(run_dir) if "time_step_s" in r]
     first_start = min(s.t0 for s in read_trace(run_dir).spans if s.name == "generate") / 1e6

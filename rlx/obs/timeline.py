@@ -38,6 +38,13 @@ def wall_us(counter: float) -> int:
     return round((WALL_OFFSET + counter) * 1e6)
 
 
+def process_started() -> float:
+    """When this process started, as a `perf_counter` reading (negative: before the import)."""
+    import psutil  # a dependency of Ray
+
+    return psutil.Process().create_time() - WALL_OFFSET
+
+
 class Span:
     """`with timeline.span(...) as span:` records on exit (also on an exception); `span.args` may
     gain entries inside the block (how many samples a stream produced)."""
@@ -69,6 +76,7 @@ class Timeline:
         self._stop = threading.Event()
         self._writer: threading.Thread | None = None
         self._warned = False
+        self._launched: float | None = None  # see `launch_is_this_run`
 
     def span(self, name: str, role: str, **args: Any) -> Span:
         return Span(self, name, role, args)
@@ -81,6 +89,19 @@ class Timeline:
         if len(self._spans) == self._spans.maxlen:
             self.dropped += 1
         self._spans.append((name, role, tid, start, end, args))
+
+    def launch_is_this_run(self) -> None:
+        """The process was started for the run about to begin (the `rlx` command): that run's
+        start-up then counts from the process's start."""
+        self._launched = process_started()
+
+    def record_launch(self, role: str = "driver") -> None:
+        """A `launch` span from the process's start to now (the interpreter, imports, config and run
+        directory), if the process was started for this run; a run in a longer-lived process (a
+        notebook, a test) has none."""
+        if self._launched is not None:
+            self.add("launch", role, self._launched, time.perf_counter())
+            self._launched = None
 
     def open(self, folder: Path, process: str) -> None:
         """Write this process's spans into `folder` from now on, as `process` (a label such as

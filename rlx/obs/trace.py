@@ -25,7 +25,8 @@ from rlx.obs.timeline import run_folder
 ROLE_ORDER = ("driver", "rollout", "reward", "critic", "teacher", "advantages", "reference", "actor_fwd", "actor")
 COLOURS = {"generate": "#1f77b4", "score": "#ff7f0e", "advantages": "#2ca02c", "forward": "#9467bd",
            "train": "#d62728", "publish": "#8c564b", "load_weights": "#e377c2", "checkpoint": "#bcbd22",
-           "evaluate": "#17becf", "start": "#aec7e8", "wait": "#c7c7c7"}
+           "evaluate": "#17becf", "start": "#aec7e8", "wait": "#c7c7c7", "launch": "#dbdb8d",
+           "load_data": "#9edae5", "substrate": "#c49c94"}
 SPARE_COLOURS = ("#7f7f7f", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5")
 
 
@@ -190,6 +191,17 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
                            "dur": s.t1 - s.t0, "args": {"thread": s.thread, **s.args}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"start_unix_us": start, "dropped_spans": trace.dropped}}
+
+
+def startup_parts(trace: Trace) -> tuple[list[tuple[str, float]], float | None]:
+    """Start-up part by part: `("<span> <role>", seconds)` for every outermost span that began before
+    the first generation, in start order, and the seconds from the first of them (the launch) to
+    that generation (None if there was none)."""
+    first = min((s.t0 for s in trace.spans if s.name == "generate"), default=None)
+    parts = sorted((s for s in trace.spans if s.depth == 0 and s.name not in ("wait", "generate")
+                    and (first is None or s.t0 < first)), key=lambda s: s.t0)
+    return ([(f"{s.name} {s.role}", (s.t1 - s.t0) / 1e6) for s in parts],
+            None if first is None else (first - trace.start) / 1e6)
 
 
 def step_marks(trace: Trace) -> list[tuple[float, int]]:

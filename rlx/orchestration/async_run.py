@@ -19,9 +19,8 @@ from typing import Any
 import ray
 
 from rlx.config import RunConfig
-from rlx.data import PromptRow, load_splits
+from rlx.data import PromptRow
 from rlx.engines.generation.base import SamplingParams
-from rlx.models import load_tokenizer
 from rlx.obs import Alerts, MetricsWriter, plot_run
 from rlx.obs.timeline import SPANS, run_folder
 from rlx.orchestration.api import ApiServer, ScaleInProgress, ScaleRefused, ScaleTimedOut
@@ -29,6 +28,7 @@ from rlx.orchestration.autoscaler import Autoscaler
 from rlx.orchestration.builder import (
     build_reward_role,
     build_rollout,
+    load_data,
     model_path,
     prepare_process,
     prompt_encoder,
@@ -230,8 +230,10 @@ class AsyncRun:
     def run(self, writer: MetricsWriter, started: float, resume: bool) -> None:
         cfg, t, c = self.config, self.config.train, self.controller
         checkpoint = latest_checkpoint(self.run_dir, resuming=True) if resume else None
-        c.start_substrate(self.run_dir, self.inputs.train_rows, checkpoint)
-        evaluator = DriverEvaluator(cfg, c.weights, self.inputs.eval_rows, self.inputs.reward)
+        with SPANS.span("substrate", "driver"):  # Ray, Serve, the bus, DCS, the prompt source
+            c.start_substrate(self.run_dir, self.inputs.train_rows, checkpoint)
+        with SPANS.span("start", "evaluator"):
+            evaluator = DriverEvaluator(cfg, c.weights, self.inputs.eval_rows, self.inputs.reward)
         if checkpoint is None:
             writer.write(0, evaluator())  # the initial weights, before any role competes for the CPU
         else:
@@ -307,16 +309,18 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
               echo: Callable[[str], None] = print) -> Path:
     faults = DriverFaults(config, build_plan(config))  # a fault for a role the run lacks fails here
     run_dir = prepare_run_dir(config, resume, overwrite)
+    SPANS.open(run_folder(run_dir), "driver")  # each role's replicas write their own (services.py)
+    SPANS.record_launch()
     # bad data, a prompt over data.max_prompt_tokens or a reward that cannot load stop the run before any service;
     # loaded once here, for the prompt source and the driver's evaluation
-    train_rows, eval_rows = load_splits(config.data, load_tokenizer(model_path(config)))
-    inputs = RunInputs(train_rows, eval_rows, build_reward_role(config))
+    train_rows, eval_rows = load_data(config)
+    with SPANS.span("start", "reward"):
+        inputs = RunInputs(train_rows, eval_rows, build_reward_role(config))
     prepare_process(config)
     alerts = Alerts(config.logging.alerts, config.logging.name)
     started = time.perf_counter()
     run = AsyncRun(config, run_dir, echo, alerts, faults, inputs)
     writer = MetricsWriter.for_run(run_dir, config, echo=echo)
-    SPANS.open(run_folder(run_dir), "driver")  # each role's replicas write their own (services.py)
     try:
         run.run(writer, started, resume)
     except BaseException as exc:

@@ -10,7 +10,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Self, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ from rlx.engines.training.forward import token_values
 from rlx.errors import ConfigError
 from rlx.models import load_pretrained, load_tokenizer, load_value_model, resolve_model_path
 from rlx.models.moe import MoeRouting
+from rlx.obs.timeline import SPANS
 from rlx.orchestration.plan import RolePlan, build_plan
 from rlx.orchestration.prompt_source import PromptSource
 from rlx.orchestration.rank_group import is_rank_of_group
@@ -47,6 +48,8 @@ if TYPE_CHECKING:  # transformers costs seconds to import; services without a mo
 
     from rlx.media.processor import MediaProcessor
     from rlx.orchestration.rank_group import RankGroup
+
+T = TypeVar("T")
 
 
 def prepare_process(config: RunConfig, threads: int | None = None) -> None:
@@ -292,13 +295,18 @@ class Components:
 
 
 def build_components(config: RunConfig) -> Components:
+    """Every role of a colocated run in this process; each part a start-up span (`rlx timeline`)."""
     plan = build_plan(config)  # roles that do not fit together fail before anything loads
     prepare_process(config)
     # bad data and prompts over data.max_prompt_tokens fail here, before any model loads
-    train_rows, eval_rows = load_splits(config.data, load_tokenizer(model_path(config)))
-    reward = build_reward_role(config)
+    train_rows, eval_rows = load_data(config)
+    reward = started("reward", lambda: build_reward_role(config))
     path = model_path(config)
-    rollout = build_rollout(config, path)
+    rollout = started("rollout", lambda: build_rollout(config, path))
+    actor = started("actor", lambda: build_actor(config, path))
+    reference = started("reference", lambda: build_reference(config, path)) if plan.has("reference") else None
+    critic = started("critic", lambda: build_critic(config)) if plan.has("critic") else None
+    teacher = started("teacher", lambda: build_teacher(config, len(rollout.tokenizer))) if plan.has("teacher") else None
     return Components(
         config=config,
         plan=plan,
@@ -306,13 +314,25 @@ def build_components(config: RunConfig) -> Components:
         rollout=rollout,
         reward=reward,
         advantages=build_advantages(config),
-        actor=build_actor(config, path),
-        reference=build_reference(config, path) if plan.has("reference") else None,
-        critic=build_critic(config) if plan.has("critic") else None,
-        teacher=build_teacher(config, len(rollout.tokenizer)) if plan.has("teacher") else None,
+        actor=actor,
+        reference=reference,
+        critic=critic,
+        teacher=teacher,
         prompts=prompt_source(config, train_rows),
         eval_rows=eval_rows,
     )
+
+
+def started(role: str, build: Callable[[], T]) -> T:
+    """`build()` recorded as the role's start-up span, as a service's start is."""
+    with SPANS.span("start", role):
+        return build()
+
+
+def load_data(config: RunConfig) -> tuple[list[PromptRow], list[PromptRow]]:
+    """The train and held-out splits, as the start-up span `load_data`."""
+    with SPANS.span("load_data", "driver"):
+        return load_splits(config.data, load_tokenizer(model_path(config)))
 
 
 def build_advantages(config: RunConfig) -> Advantages:

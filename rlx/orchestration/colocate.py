@@ -101,6 +101,7 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
                     alerts: Alerts) -> Path:
     run_dir = prepare_run_dir(config, resume, overwrite)
     SPANS.open(run_folder(run_dir), "colocated")
+    SPANS.record_launch()
     started = time.perf_counter()
     ray_was_running = ray.is_initialized()
     c = build_components(config)

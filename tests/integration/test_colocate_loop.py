@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from rlx.config import build_config
 from rlx.obs.metrics import read_metrics
-from rlx.obs.trace import read_trace
+from rlx.obs.trace import read_trace, startup_parts
 from rlx.orchestration.colocate import run_colocate
 
 
@@ -47,6 +47,10 @@ def test_tiny_model_learns_toy_task(tiny_path, tmp_path):
     for key in ("reward_mean", "loss", "entropy", "clip_fraction", "response_length", "gen_tokens_per_s",
                 "time_rollout_s", "time_train_s", "train_tokens_per_s"):
         assert key in last, key
+    parts, first_step_s = startup_parts(read_trace(run_dir))  # start-up, part by part
+    assert [name for name, _ in parts] == ["load_data driver", "start reward", "start rollout", "start actor",
+                                           "evaluate driver"]
+    assert all(seconds >= 0 for _, seconds in parts) and first_step_s >= sum(seconds for _, seconds in parts)
 
 
 def test_resume_continues_with_same_data_order_and_weights(tiny_path, tmp_path):

@@ -146,3 +146,16 @@ def test_plain_or_cached_forward_where_packing_cannot_apply():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     assert prompt_groups(model, _batch()) is None  # and not under activation checkpointing
+
+
+def test_blocks_too_long_to_pack_take_the_cached_way(monkeypatch):
+    import rlx.engines.training.prompt_sharing as sharing
+
+    model = tiny_model(VOCAB)
+    batch = _batch()
+    plain = _logprobs_and_grads(model, batch, share=False)
+    monkeypatch.setattr(sharing, "MAX_PACKED_BLOCK", 8)
+    calls = []
+    monkeypatch.setattr(sharing, "cached_logits", lambda *args: calls.append(1) or cached_logits(*args))
+    _assert_same(plain, _logprobs_and_grads(model, batch, share=True))
+    assert calls == [1]

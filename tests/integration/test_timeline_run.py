@@ -31,12 +31,12 @@ def test_a_colocated_run_records_every_role(tiny_path, tmp_path, one_thread):
     run_dir = run_colocate(config, echo=lambda _: None)
     trace, names = timeline_of(run_dir)
     assert set(build_plan(config).role_names) == {"rollout", "reward", "advantages", "reference", "actor"}
-    assert names["rollout"] == {"generate", "load_weights"}
+    assert names["rollout"] == {"start", "generate", "load_weights"}
     assert names["reward"] >= {"score"}
     assert names["advantages"] >= {"advantages"}
     assert names["reference"] >= {"forward"}
     assert names["actor"] >= {"train", "publish"}
-    assert names["driver"] == {"evaluate", "checkpoint"}
+    assert names["driver"] == {"load_data", "evaluate", "checkpoint"}  # no launch: the process is pytest's
     (process,) = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
     assert process.startswith("colocated (")
     publishes = [e for e in trace["traceEvents"] if e["name"] == "publish"]

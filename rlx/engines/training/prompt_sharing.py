@@ -3,8 +3,9 @@
 Two ways, same logits up to float rounding (and so the same gradients):
 - packed: each distinct prompt followed by all its rows' responses back to back (a block), each
   response attending to the prompt and to itself only (a 4-D mask), its positions starting where
-  the prompt ends; blocks packed into few sequences. No prompt is repeated, little is padded. Needs an
-  attention that honours a custom mask (`sdpa`, `eager`, rlx's CPU kernel) and full attention.
+  the prompt ends; blocks packed into few sequences. No prompt is repeated, little is padded.
+  Needs an attention that honours a custom mask (`sdpa`, `eager`, rlx's CPU kernel), full
+  attention, and blocks of at most `MAX_PACKED_BLOCK` tokens.
 - cached: each distinct prompt runs once with a KV cache, indexed per row for the responses
   (right-padded as usual); gradients reach the prompt's activations through the cache. Works with
   any attention, not under activation checkpointing (transformers turns the cache off there).
@@ -29,6 +30,9 @@ MASKED_ATTENTION = frozenset({"sdpa", "eager", "rlx_grouped_sdpa"})  # take a cu
 # Packed sequences hold blocks up to this many tokens: fewer, longer sequences waste no padding but
 # attend over more masked-out columns (attention costs grow with the square of the length).
 PACKED_TOKENS = 512
+# A block (a prompt and its responses) longer than this takes the cached way: its mask and attention
+# would grow with the square of its length.
+MAX_PACKED_BLOCK = 4096
 
 
 def prompt_groups(model: PreTrainedModel, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -65,7 +69,15 @@ def shared_prompt_logits(model: PreTrainedModel, batch: TokenBatch,
                          groups: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """[B, R, V] logits predicting the response tokens (as `token_logprobs` lays them out), each
     distinct prompt run once. Runs under the caller's autocast."""
-    return (packed_logits if packs(model) else cached_logits)(model, batch, *groups)
+    packed = packs(model) and _longest_block(batch, *groups) <= MAX_PACKED_BLOCK
+    return (packed_logits if packed else cached_logits)(model, batch, *groups)
+
+
+def _longest_block(batch: TokenBatch, first_rows: torch.Tensor, row_prompt: torch.Tensor) -> int:
+    width = batch.input_ids.shape[1] - batch.response_width
+    responses = torch.zeros(len(first_rows), dtype=torch.long).scatter_add_(
+        0, row_prompt, batch.attention_mask[:, width:].sum(1).long())
+    return int((batch.attention_mask[first_rows, :width].sum(1) + responses).max())
 
 
 def packed_logits(model: PreTrainedModel, batch: TokenBatch, first_rows: torch.Tensor,
