@@ -8,6 +8,10 @@ from rlx.data.rows import DataError, PromptRow
 
 SUPPORTED_TASKS = ("chain_sum", "basic_arithmetic", "countdown", "gsm_symbolic")
 EVAL_SEED_OFFSET = 1_000_003
+# reasoning-gym seeds item i of a dataset with `seed + i`: datasets of seeds 0 and 1 would share all
+# but one item. data.seed s draws from reasoning-gym seed s * GYM_SEED_STRIDE instead (seed 0 as
+# before), so every seed's train and held-out items are disjoint from every other seed's.
+GYM_SEED_STRIDE = 10_000_019
 
 
 def _rows(task: str, params: dict[str, Any], size: int, seed: int) -> list[PromptRow]:
@@ -32,6 +36,7 @@ def gym_splits(task: str, params: dict[str, Any], train_size: int, eval_size: in
     """(train, eval) rows; eval comes from another seed and drops questions seen in train."""
     if task not in SUPPORTED_TASKS:
         raise DataError(f"data.task={task!r} is not a built-in task; use one of {', '.join(SUPPORTED_TASKS)}")
+    seed *= GYM_SEED_STRIDE
     train = _rows(task, params, train_size, seed)
     if eval_size == 0:
         return train, []

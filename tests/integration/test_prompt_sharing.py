@@ -11,6 +11,7 @@ import rlx.engines.attention  # noqa: F401  (registers rlx's CPU attention kerne
 from rlx.engines.training import collate, token_logprobs
 from rlx.engines.training.forward import forward_logits
 from rlx.engines.training.prompt_sharing import cached_logits, packs, prompt_groups
+from rlx.models.moe import MoeRouting
 from rlx.models.tiny import tiny_model, tiny_moe_model
 
 VOCAB = 40
@@ -141,6 +142,9 @@ def test_plain_or_cached_forward_where_packing_cannot_apply():
     batch = _batch()
     batch.routes = torch.zeros(batch.size, batch.input_ids.shape[1], 2, 2, dtype=torch.int16)
     assert prompt_groups(model, batch) is None  # R3 replays routes over every column
+    moe = tiny_moe_model("qwen3_moe", VOCAB)
+    MoeRouting.of(moe)
+    assert prompt_groups(moe, _batch()) is None  # routing replay installed: even a batch without routes
     model.config.sliding_window = 4  # a sliding window: the custom mask would override it
     assert not packs(model) and prompt_groups(model, _batch()) is not None  # the cached way still applies
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

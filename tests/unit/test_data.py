@@ -338,8 +338,11 @@ def test_gym_splits_sizes_and_disjoint_eval():
     # deterministic for a seed, different across seeds
     again, again_eval = gym_splits("chain_sum", params, train_size=60, eval_size=20, seed=0)
     assert again == train and again_eval == held_out
-    other, _ = gym_splits("chain_sum", params, train_size=60, eval_size=20, seed=1)
+    other, other_eval = gym_splits("chain_sum", params, train_size=60, eval_size=20, seed=1)
     assert [r.prompt for r in other] != [r.prompt for r in train]
+    # not reasoning-gym's seed + 1, whose items are the seed's own shifted by one
+    assert [r.prompt for r in other[:-1]] != [r.prompt for r in train[1:]]
+    assert [r.prompt for r in other_eval[:-1]] != [r.prompt for r in held_out[1:]]
 
 
 def test_load_splits_reasoning_gym():

@@ -22,6 +22,7 @@ import torch
 
 from rlx.engines.training.batch import TokenBatch
 from rlx.media.positions import linear_positions, uses_mrope
+from rlx.models.moe import routing_of
 
 if TYPE_CHECKING:  # transformers costs seconds to import
     from transformers import PreTrainedModel
@@ -37,9 +38,9 @@ MAX_PACKED_BLOCK = 4096
 
 def prompt_groups(model: PreTrainedModel, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`(first row of each distinct prompt, each row's prompt index)` when rows share prompts and a
-    prompt-once forward applies: 1-D positions, no media, no replayed routes (R3 replays every
-    column as the rollout laid it out)."""
-    if batch.routes is not None or any(batch.media or []) or uses_mrope(model):
+    prompt-once forward applies: 1-D positions, no media, and no routing replay installed (R3
+    replays, and its load-balancing loss reads, every column as the padded batch lays it out)."""
+    if batch.routes is not None or routing_of(model) is not None or any(batch.media or []) or uses_mrope(model):
         return None
     if not (packs(model) or _caches(model)):
         return None
