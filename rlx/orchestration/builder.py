@@ -244,7 +244,7 @@ def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd:
     the Actor's own, so the proximal ratio is exactly 1 there, not bf16 rounding noise."""
     model, tokenizer = load_policy(config, path, "float32")
     return ActorFwd(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size,
-                    bf16=config.train.bf16_autocast, share_prompts=config.train.share_prompts)
+                    bf16=config.train.bf16_autocast, share_prompts=shares_prompts(config))
 
 
 def build_reward_role(config: RunConfig) -> Reward | GenRM:

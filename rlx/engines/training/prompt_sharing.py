@@ -42,8 +42,6 @@ def prompt_groups(model: PreTrainedModel, batch: TokenBatch) -> tuple[torch.Tens
     replays, and its load-balancing loss reads, every column as the padded batch lays it out)."""
     if batch.routes is not None or routing_of(model) is not None or any(batch.media or []) or uses_mrope(model):
         return None
-    if not (packs(model) or _caches(model)):
-        return None
     width = batch.input_ids.shape[1] - batch.response_width
     prompts = torch.cat([batch.input_ids[:, :width], batch.attention_mask[:, :width]], dim=1)
     distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
@@ -51,6 +49,8 @@ def prompt_groups(model: PreTrainedModel, batch: TokenBatch) -> tuple[torch.Tens
         return None
     rows = torch.arange(batch.size)
     first_rows = torch.full((len(distinct),), batch.size).scatter_reduce(0, row_prompt, rows, "amin")
+    if not (_packed(model, batch, first_rows, row_prompt) or _caches(model)):
+        return None  # neither way applies: the padded forward
     return first_rows, row_prompt
 
 
@@ -70,8 +70,12 @@ def shared_prompt_logits(model: PreTrainedModel, batch: TokenBatch,
                          groups: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """[B, R, V] logits predicting the response tokens (as `token_logprobs` lays them out), each
     distinct prompt run once. Runs under the caller's autocast."""
-    packed = packs(model) and _longest_block(batch, *groups) <= MAX_PACKED_BLOCK
-    return (packed_logits if packed else cached_logits)(model, batch, *groups)
+    return (packed_logits if _packed(model, batch, *groups) else cached_logits)(model, batch, *groups)
+
+
+def _packed(model: PreTrainedModel, batch: TokenBatch, first_rows: torch.Tensor, row_prompt: torch.Tensor) -> bool:
+    """Whether these groups take the packed way (else the cached one)."""
+    return packs(model) and _longest_block(batch, first_rows, row_prompt) <= MAX_PACKED_BLOCK
 
 
 def _longest_block(batch: TokenBatch, first_rows: torch.Tensor, row_prompt: torch.Tensor) -> int:
