@@ -6,7 +6,6 @@ import io
 import shutil
 import struct
 import subprocess
-import time
 import wave
 from fractions import Fraction
 from pathlib import Path
@@ -129,11 +128,9 @@ def test_a_long_video_is_refused_from_its_header_before_decoding(limits):
     """Two hours at a frame every half hour; its frames are zeroed, so any decoding would fail
     with another message."""
     data = _zero_mdat(_mp4([0.0, 1800.0, 3600.0, 5400.0], 7200.0))
-    started = time.perf_counter()
     with pytest.raises(DataError, match=r"^f\.jsonl:3: inline video lasts 7200\.0 s, more than "
                                         r"data\.media_limits\.max_seconds=600; raise data\.media_limits\.max_seconds"):
         load_video(_video(data), limits, "f.jsonl:3")
-    assert time.perf_counter() - started < 0.5
     patient = MediaLimits(root=limits.root, max_seconds=7200)
     with pytest.raises(DataError, match="inline video is corrupt and cannot be decoded .*re-encode the file"):
         load_video(_video(data), patient, "f.jsonl:3")
