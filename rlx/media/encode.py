@@ -48,13 +48,27 @@ def _qwen_vl(model: PreTrainedModel, media: MediaInputs) -> dict[int, torch.Tens
     return out
 
 
+def _qwen_omni(model: PreTrainedModel, media: MediaInputs) -> dict[int, torch.Tensor]:
+    config, out = model.config, {}
+    if "pixel_values" in media:
+        out[config.image_token_id] = torch.cat(list(
+            model.get_image_features(media["pixel_values"], media["image_grid_thw"]).pooler_output))
+    if "pixel_values_videos" in media:
+        out[config.video_token_id] = torch.cat(list(
+            model.get_video_features(media["pixel_values_videos"], media["video_grid_thw"]).pooler_output))
+    if "input_features" in media:
+        out[config.audio_token_id] = model.get_audio_features(
+            media["input_features"], media["feature_attention_mask"]).last_hidden_state
+    return out
+
+
 def _audio_flamingo(model: PreTrainedModel, media: MediaInputs) -> dict[int, torch.Tensor]:
     features = model.get_audio_features(media["input_features"], media["input_features_mask"]).pooler_output
     return {model.config.audio_token_id: features}
 
 
 ENCODERS: dict[str, Encoder] = {"llava": _llava, "qwen2_vl": _qwen_vl, "qwen2_5_vl": _qwen_vl,
-                                "audioflamingo3": _audio_flamingo}
+                                "qwen2_5_omni_thinker": _qwen_omni, "audioflamingo3": _audio_flamingo}
 
 
 def forward_inputs(model: PreTrainedModel, input_ids: torch.Tensor,

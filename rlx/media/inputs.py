@@ -17,6 +17,8 @@ import torch
 MediaInputs = dict[str, torch.Tensor]
 # config attributes that name a placeholder token the model replaces by media features
 PLACEHOLDER_ATTRIBUTES = ("image_token_id", "video_token_id", "audio_token_id", "image_token_index")
+# config attributes that name the markers around a media item (Qwen-VL, Qwen-Omni)
+MARKER_ATTRIBUTES = ("vision_start_token_id", "vision_end_token_id", "audio_start_token_id", "audio_end_token_id")
 # CLIP's normalisation (OpenAI's statistics): LLaVA's CLIP towers and Qwen2/2.5-VL's are trained with it
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -31,24 +33,46 @@ def concat_media(rows: Sequence[MediaInputs | None], device: torch.device | str 
     return {key: torch.cat([row[key] for row in rows if row and key in row]).to(device) for key in keys}
 
 
-def expand_placeholders(token_ids: Sequence[int], placeholder_id: int, counts: Sequence[int]) -> list[int]:
+def expand_placeholders(token_ids: Sequence[int], placeholder_id: int, counts: Sequence[int],
+                        markers: tuple[int, int] | None = None, kind: str = "media") -> list[int]:
     """Replace the i-th single placeholder token with counts[i] copies of it: a model wants one
-    placeholder per feature of the item, a dataset prompt holds one per item."""
-    found = sum(1 for t in token_ids if t == placeholder_id)
-    if found != len(counts):
-        raise ValueError(f"{found} placeholder token(s) (id {placeholder_id}) in the prompt but {len(counts)} "
-                         "media item(s): put exactly one placeholder per image/video, in order")
+    placeholder per feature of the item, a dataset prompt holds one per item. With `markers`
+    (start, end), each item's copies go between them."""
     if bad := [c for c in counts if c < 1]:
         raise ValueError(f"counts {bad} are not positive: each media item stands for at least one token")
-    remaining = iter(counts)
+    blocks = [[placeholder_id] * count for count in counts]
+    if markers is not None:
+        blocks = [[markers[0], *block, markers[1]] for block in blocks]
+    return replace_placeholders(token_ids, placeholder_id, blocks, markers, kind)
+
+
+def replace_placeholders(token_ids: Sequence[int], placeholder_id: int, blocks: Sequence[Sequence[int]],
+                         markers: tuple[int, int] | None = None, kind: str = "media") -> list[int]:
+    """The prompt with its i-th placeholder replaced by blocks[i]. A placeholder the prompt already
+    wraps in `markers` (start, end), as chat templates write it, loses that pair: the block brings its own."""
+    ids = list(token_ids)
+    if (found := ids.count(placeholder_id)) != len(blocks):
+        raise ValueError(f"{found} {kind} placeholder token(s) (id {placeholder_id}) in the prompt but {len(blocks)} "
+                         f"{kind} item(s): put exactly one placeholder per {kind} item, in order")
+    remaining = iter(blocks)
     out: list[int] = []
-    for t in token_ids:
-        out.extend([t] * next(remaining) if t == placeholder_id else [t])
+    skip_end = False
+    for i, token in enumerate(ids):
+        if skip_end:
+            skip_end = False
+        elif token != placeholder_id:
+            out.append(token)
+        else:
+            if markers is not None and out[-1:] == [markers[0]] and ids[i + 1:i + 2] == [markers[1]]:
+                out.pop()
+                skip_end = True
+            out.extend(next(remaining))
     return out
 
 
 def media_token_ids(config: Any) -> tuple[int, ...]:
-    """The placeholder tokens of a multimodal model's config (none for a text model): the engine
-    never samples them, since the model reads them as slots for media features."""
-    ids = {getattr(config, name, None) for name in PLACEHOLDER_ATTRIBUTES}
+    """The placeholder and marker tokens of a multimodal model's config (none for a text model): the
+    engine never samples them, since the model reads placeholders as slots for media features and
+    Qwen-Omni counts markers to find its media items when it positions the tokens."""
+    ids = {getattr(config, name, None) for name in (*PLACEHOLDER_ATTRIBUTES, *MARKER_ATTRIBUTES)}
     return tuple(sorted(i for i in ids if isinstance(i, int)))

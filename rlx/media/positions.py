@@ -1,4 +1,5 @@
-"""M-RoPE positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), computed one way for the engine and the trainer.
+"""M-RoPE positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, the Qwen2.5-Omni thinker), computed one way for the
+engine and the trainer.
 
 These models rotate each token by three positions (time, height, width): text tokens take the same
 value in all three, an image's tokens span its grid, so after an image the positions run behind the
@@ -7,6 +8,10 @@ None and then keeps one `rope_deltas` on the module for the whole batch, which b
 and leave a running batch. rlx passes them explicitly instead: the model's own `get_rope_index` over
 the real (attended) tokens of each row, so padding never shifts them, and a per-row delta that the
 engine adds to a row's 1-D position at every decode step.
+
+Qwen2.5-Omni's thinker finds its media by their marker tokens and continues text positions through
+audio (only images and videos span a grid); its `get_rope_index` takes the grids, the audio clips'
+real frame counts and each video's seconds per temporal patch instead of token types.
 
 Every other model keeps 1-D positions (`cumsum(attention_mask) - 1`).
 """
@@ -22,9 +27,12 @@ from rlx.media.inputs import MediaInputs
 if TYPE_CHECKING:  # transformers costs seconds to import
     from transformers import PreTrainedModel
 
-MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
-# media inputs get_rope_index reads (Qwen2.5-VL: seconds per temporal patch of each video)
-POSITION_INPUTS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+OMNI_MODEL_TYPES = frozenset({"qwen2_5_omni_thinker"})
+MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}) | OMNI_MODEL_TYPES
+# media inputs get_rope_index reads: grids; Qwen2.5-VL's (and Omni's) seconds per temporal patch of each
+# video; Omni's audio masks, whose sums are the clips' real frames
+VL_POSITION_INPUTS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+POSITION_INPUTS = (*VL_POSITION_INPUTS, "video_second_per_grid", "feature_attention_mask")
 
 
 def uses_mrope(model: PreTrainedModel) -> bool:
@@ -51,17 +59,32 @@ def mrope_positions(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
     exactly as the trainer, which scores prompt and response together, positions it. (This is the
     model's own `rope_deltas` except after a video whose time axis outruns its height and width:
     there the model's decode jumps past the video's largest position, its training forward does not.)
-    Positions of padding columns are 0."""
+    Padding columns get the model's filler position (0, or 1 for Omni): nothing attends them."""
     batch = input_ids.shape[0]
-    grids = {key: media[key] for key in POSITION_INPUTS if key in media}
-    if not grids:  # text only: M-RoPE's three axes are the 1-D positions
+    if not any(key in media for key in POSITION_INPUTS):  # text only: M-RoPE's three axes are the 1-D positions
         return linear_positions(attention_mask).expand(3, -1, -1), input_ids.new_zeros(batch)
-    # one text column appended, attended in every row: where each row would go on
-    types = torch.cat([mm_token_type_ids(input_ids, model.config), input_ids.new_zeros((batch, 1), dtype=torch.int)], 1)
+    # one text column appended, attended in every row: where each row would go on (token 0 is no marker)
     mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], 1)
-    ids = torch.cat([input_ids, input_ids.new_zeros((batch, 1))], 1)  # get_rope_index reads types, not ids
-    positions, _ = model.base_model.get_rope_index(ids, mm_token_type_ids=types, attention_mask=mask, **grids)
+    ids = torch.cat([input_ids, input_ids.new_zeros((batch, 1))], 1)
+    positions = _rope_index(model, ids, mask, media)
     return positions[:, :, :-1], positions[0, :, -1] - attention_mask.sum(-1)
+
+
+def _rope_index(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                media: MediaInputs) -> torch.Tensor:
+    """[3, B, L] positions from the model's own `get_rope_index`, given what its family reads."""
+    if model.config.model_type in OMNI_MODEL_TYPES:
+        masks = media.get("feature_attention_mask")
+        positions, _ = model.get_rope_index(
+            input_ids, media.get("image_grid_thw"), media.get("video_grid_thw"), attention_mask,
+            use_audio_in_video=False, audio_seqlens=None if masks is None else masks.sum(-1),
+            second_per_grids=media.get("video_second_per_grid"))
+        return positions
+    types = mm_token_type_ids(input_ids, model.config)
+    grids = {key: media[key] for key in VL_POSITION_INPUTS if key in media}
+    positions, _ = model.base_model.get_rope_index(input_ids, mm_token_type_ids=types, attention_mask=attention_mask,
+                                                   **grids)
+    return positions
 
 
 def position_ids(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,

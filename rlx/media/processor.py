@@ -11,6 +11,7 @@ against the architecture itself.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 VideoLoader = Callable[["MediaItem", "MediaLimits", str], list[np.ndarray]]
 QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 AUDIO_MODEL_TYPES = ("audioflamingo3",)
+OMNI_MODEL_TYPES = ("qwen2_5_omni_thinker",)
+# the input that carries each video's seconds per temporal patch, where the family's positions use it
+SECONDS_PER_GRID_INPUT = {"qwen2_5_vl": "second_per_grid_ts", "qwen2_5_omni_thinker": "video_second_per_grid"}
 
 
 class MediaProcessor(Protocol):
@@ -68,7 +72,8 @@ class LlavaImageProcessor:
                             "drop those data.media_keys or use a model that takes them")
         images = [load_image(item, self.limits, row.source) for item in row.media.get("image", ())]
         try:
-            ids = expand_placeholders(prompt_ids, self.image_token_id, [self.tokens_per_image] * len(images))
+            ids = expand_placeholders(prompt_ids, self.image_token_id, [self.tokens_per_image] * len(images),
+                                      kind="image")
         except ValueError as exc:
             raise DataError(f"{row.source}: {exc}: each <image> in the prompt must stay one token after the chat "
                             "template (check the tokenizer has <image> as a special token)") from None
@@ -87,15 +92,18 @@ class QwenVLProcessor:
     by `load_video` (default `rlx.media.video.load_video`), frames already sampled."""
 
     def __init__(self, config: Any, limits: MediaLimits, load_video: VideoLoader | None = None,
-                 image_pixels: tuple[int, int] | None = None) -> None:
+                 image_pixels: tuple[int, int] | None = None, fps: float = 2.0) -> None:
         """`load_video`: default `rlx.media.video.load_video` with its default sampling;
-        `image_pixels`: (min, max) pixels of a resized image, default the family's."""
+        `image_pixels`: (min, max) pixels of a resized image, default the family's; `fps`: the frames per
+        second videos are sampled at, which places their temporal patches in time (Qwen2.5-VL, Omni)."""
         from rlx.media.qwen_vl import QwenVisionSpec
 
         bounds = {"min_pixels": image_pixels[0], "max_pixels": image_pixels[1]} if image_pixels else {}
         self.spec = QwenVisionSpec.from_model_config(config, **bounds)
         self.limits, self._load_video = limits, load_video
         self.placeholder_ids = {"image": self.spec.image_token_id, "video": self.spec.video_token_id}
+        self.seconds_per_grid = self.spec.temporal_patch_size / fps
+        self._seconds_input = SECONDS_PER_GRID_INPUT.get(config.model_type)
 
     def _video(self, item: MediaItem, where: str) -> list[np.ndarray]:
         if self._load_video is None:
@@ -119,6 +127,8 @@ class QwenVLProcessor:
                       **(video_inputs(videos, self.spec) if videos else {})}
         except ValueError as exc:  # an image or video the family refuses (aspect ratio, too few frames)
             raise DataError(f"{row.source}: {exc}") from None
+        if videos and self._seconds_input:
+            inputs[self._seconds_input] = torch.full((len(videos),), self.seconds_per_grid)
         try:
             ids = expand_media(prompt_ids, self.spec, inputs.get("image_grid_thw"), inputs.get("video_grid_thw"))
         except ValueError as exc:
@@ -126,6 +136,14 @@ class QwenVLProcessor:
                             f"one token {self.spec.image_token_id} ({self.spec.video_token_id}), the model's "
                             "<|image_pad|> (<|video_pad|>)") from None
         return ids, inputs
+
+
+def _check_whisper_rate(sampling_rate: int) -> None:
+    from rlx.media.audio_features import SAMPLING_RATE
+
+    if sampling_rate != SAMPLING_RATE:
+        raise ValueError(f"data.audio_sampling_rate={sampling_rate}, but a Whisper encoder's features are "
+                         f"defined at {SAMPLING_RATE} Hz: set data.audio_sampling_rate={SAMPLING_RATE}")
 
 
 class WhisperAudioProcessor:
@@ -137,11 +155,7 @@ class WhisperAudioProcessor:
     windows' real frames (25 per second: rlx.media.audio_features.encoder_tokens)."""
 
     def __init__(self, config: Any, limits: MediaLimits, sampling_rate: int) -> None:
-        from rlx.media.audio_features import SAMPLING_RATE
-
-        if sampling_rate != SAMPLING_RATE:
-            raise ValueError(f"data.audio_sampling_rate={sampling_rate}, but a Whisper encoder's features are "
-                             f"defined at {SAMPLING_RATE} Hz: set data.audio_sampling_rate={SAMPLING_RATE}")
+        _check_whisper_rate(sampling_rate)
         self.limits, self.sampling_rate = limits, sampling_rate
         self.n_mels, self.frames = config.audio_config.num_mel_bins, 2 * config.audio_config.max_source_positions
         self.audio_token_id = config.audio_token_id
@@ -166,7 +180,7 @@ class WhisperAudioProcessor:
                 masks.append(torch.arange(self.frames) < real_frames(window.size))
             counts.append(sum(encoder_tokens(real_frames(window.size)) for window in windows))
         try:
-            ids = expand_placeholders(prompt_ids, self.audio_token_id, counts)
+            ids = expand_placeholders(prompt_ids, self.audio_token_id, counts, kind="audio")
         except ValueError as exc:
             raise DataError(f"{row.source}: {exc}: each <audio> in the prompt must stay one token after the chat "
                             "template (check the tokenizer has <audio> as a special token)") from None
@@ -175,21 +189,75 @@ class WhisperAudioProcessor:
         return ids, {"input_features": torch.stack(features), "input_features_mask": torch.stack(masks).long()}
 
 
+class QwenOmniProcessor:
+    """Images, videos and audio for a Qwen2.5-Omni thinker, as its own processor prepares them: images
+    and videos as for Qwen2.5-VL (its vision tower), each video with its seconds per temporal patch
+    (`video_second_per_grid`, which places its frames in time); each audio clip as Whisper log-mel
+    features of one 30 s window (`input_features`) with a mask of its real frames
+    (`feature_attention_mask`). Each placeholder is written between its markers (vision or audio
+    start and end: the thinker finds its media by them); a clip stands for 25 tokens per second."""
+
+    WINDOW_FRAMES = 3000  # 30 s of 10 ms frames: the thinker's processor pads every clip to it
+
+    def __init__(self, config: Any, limits: MediaLimits, load_video: VideoLoader | None = None,
+                 image_pixels: tuple[int, int] | None = None, fps: float = 2.0, sampling_rate: int = 16_000) -> None:
+        _check_whisper_rate(sampling_rate)
+        self.vision = QwenVLProcessor(config, limits, load_video, image_pixels, fps)
+        self.limits, self.seconds_per_grid = limits, self.vision.seconds_per_grid
+        self.n_mels = config.audio_config.num_mel_bins
+        self.audio_token_id = config.audio_token_id
+        self.audio_markers = (config.audio_start_token_id, config.audio_end_token_id)
+        self.placeholder_ids = {**self.vision.placeholder_ids, "audio": config.audio_token_id}
+
+    def __call__(self, prompt_ids: list[int], row: PromptRow) -> tuple[list[int], MediaInputs]:
+        from rlx.media.audio import load_audio
+        from rlx.media.audio_features import SAMPLING_RATE, encoder_tokens, log_mel, real_frames
+
+        seen = replace(row, media={kind: items for kind, items in row.media.items() if kind != "audio"})
+        ids, inputs = self.vision(prompt_ids, seen)
+        features, masks, counts = [], [], []
+        for index, item in enumerate(row.media.get("audio", ())):
+            samples = load_audio(item, self.limits, row.source, SAMPLING_RATE)
+            frames = real_frames(samples.size)
+            if frames > self.WINDOW_FRAMES:
+                raise DataError(f"{row.source}: audio clip {index} lasts {samples.size / SAMPLING_RATE:.1f} s, over "
+                                "the 30 s a Qwen2.5-Omni clip holds: split it into clips of at most 30 s, each "
+                                "with its own <audio>")
+            if encoder_tokens(frames) < 1:
+                raise DataError(f"{row.source}: audio clip {index} is shorter than 21 ms, too short for one audio "
+                                "token; drop it or pad it with silence")
+            features.append(log_mel(samples, self.n_mels, self.WINDOW_FRAMES))
+            masks.append(torch.arange(self.WINDOW_FRAMES) < frames)
+            counts.append(encoder_tokens(frames))
+        try:
+            ids = expand_placeholders(ids, self.audio_token_id, counts, self.audio_markers, "audio")
+        except ValueError as exc:
+            raise DataError(f"{row.source}: {exc}: each <audio> in the prompt must stay one token "
+                            f"({self.audio_token_id}, the model's <|AUDIO|>) after the chat template") from None
+        if features:
+            inputs |= {"input_features": torch.stack(features), "feature_attention_mask": torch.stack(masks).long()}
+        return ids, inputs
+
+
 def processor_for(config: Any, data: DataConfig) -> MediaProcessor:
     """The processor for a model's config (`transformers` config object), reading media within
     `data.media_limits` and sampling videos as `data.video` says; a clear error for a model rlx
     cannot feed media to."""
     if config.model_type == "llava":
         return LlavaImageProcessor(config, data.media_limits)
-    if config.model_type in QWEN_VL_MODEL_TYPES:
+    if config.model_type in (*QWEN_VL_MODEL_TYPES, *OMNI_MODEL_TYPES):
         from rlx.media.video import load_video
 
-        return QwenVLProcessor(config, data.media_limits,
-                               lambda item, limits, where: load_video(item, limits, where, data.video),
-                               data.image_pixels)
+        def sampled(item: MediaItem, limits: MediaLimits, where: str) -> list[np.ndarray]:
+            return load_video(item, limits, where, data.video)
+
+        if config.model_type in OMNI_MODEL_TYPES:
+            return QwenOmniProcessor(config, data.media_limits, sampled, data.image_pixels, data.video.fps,
+                                     data.audio_sampling_rate)
+        return QwenVLProcessor(config, data.media_limits, sampled, data.image_pixels, data.video.fps)
     if config.model_type in AUDIO_MODEL_TYPES:
         return WhisperAudioProcessor(config, data.media_limits, data.audio_sampling_rate)
     raise ValueError(f"model type {config.model_type!r} takes no media in rlx (data.media_keys is set): "
                      "supported are LLaVA models (e.g. the built-in smollm2-135m-vision), "
-                     f"{', '.join(QWEN_VL_MODEL_TYPES)} and {', '.join(AUDIO_MODEL_TYPES)} (e.g. the built-in "
-                     "smollm2-135m-audio)")
+                     f"{', '.join(QWEN_VL_MODEL_TYPES)}, {', '.join(OMNI_MODEL_TYPES)} and "
+                     f"{', '.join(AUDIO_MODEL_TYPES)} (e.g. the built-in smollm2-135m-audio)")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from rlx.media.inputs import CLIP_MEAN, CLIP_STD
+from rlx.media.inputs import CLIP_MEAN, CLIP_STD, replace_placeholders
 
 HALF = (0.5, 0.5, 0.5)
 
@@ -37,8 +37,9 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                  "min_pixels": 65536, "max_pixels": 16777216,
                  "video_min_pixels": 128 * 32 * 32, "video_max_pixels": 32 * 32 * 768},
 }
+# the Qwen2.5-Omni thinker's vision tower and image/video processors are Qwen2.5-VL's
 MODEL_TYPE_FAMILY = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl",
-                     "qwen3_vl_moe": "qwen3_vl"}
+                     "qwen3_vl_moe": "qwen3_vl", "qwen2_5_omni_thinker": "qwen2_5_vl"}
 MAX_ASPECT_RATIO = 200
 
 
@@ -248,25 +249,7 @@ def expand_media(token_ids: Sequence[int], spec: QwenVisionSpec, image_grid_thw:
     if start is None or end is None:
         raise ValueError("the model config has no vision_start_token_id / vision_end_token_id; a Qwen-VL config "
                          "names both")
-    ids = list(token_ids)
-    kinds = {spec.image_token_id: ("image", _media_blocks(spec, image_grid_thw, spec.image_token_id, False)),
-             spec.video_token_id: ("video", _media_blocks(spec, video_grid_thw, spec.video_token_id,
-                                                          spec.family == "qwen3_vl"))}
-    for token_id, (kind, items) in kinds.items():
-        if (found := ids.count(token_id)) != len(items):
-            raise ValueError(f"{found} {kind} placeholder token(s) (id {token_id}) in the prompt but {len(items)} "
-                             f"{kind}(s): put exactly one placeholder per {kind}, in order")
-    remaining = {token_id: iter(items) for token_id, (_, items) in kinds.items()}
-    out: list[int] = []
-    skip_end = False
-    for i, token in enumerate(ids):
-        if skip_end:
-            skip_end = False
-        elif token in remaining:
-            if out[-1:] == [start] and ids[i + 1:i + 2] == [end]:  # already wrapped: the block brings its own pair
-                out.pop()
-                skip_end = True
-            out.extend(next(remaining[token]))
-        else:
-            out.append(token)
-    return out
+    image_blocks = _media_blocks(spec, image_grid_thw, spec.image_token_id, False)
+    video_blocks = _media_blocks(spec, video_grid_thw, spec.video_token_id, spec.family == "qwen3_vl")
+    with_images = replace_placeholders(token_ids, spec.image_token_id, image_blocks, (start, end), "image")
+    return replace_placeholders(with_images, spec.video_token_id, video_blocks, (start, end), "video")

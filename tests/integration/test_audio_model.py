@@ -136,7 +136,7 @@ def test_the_processor_refuses_what_the_encoder_cannot_read(audio_model):
     with pytest.raises(DataError, match="rows.jsonl:1: audio clip 0 is shorter than 21 ms"):
         processor(ids, _row("<audio>hi", [np.zeros(300, np.float32)]))
     assert processor(ids, _row("<audio>hi", [np.zeros(321, np.float32)]))[0].count(model.config.audio_token_id) == 1
-    with pytest.raises(DataError, match="1 placeholder token"):
+    with pytest.raises(DataError, match="1 audio placeholder token"):
         processor(ids, _row("<audio>hi", [_clip(0.5, 0), _clip(0.5, 1)]))
     with pytest.raises(ValueError, match="set data.audio_sampling_rate=16000"):
         WhisperAudioProcessor(model.config, MediaLimits(), 22_050)

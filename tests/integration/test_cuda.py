@@ -146,7 +146,7 @@ def test_routes_recorded_by_a_bf16_gpu_engine_replay_in_an_fp32_gpu_trainer(tmp_
     for row, r in enumerate(results):
         rollout[row, : len(r.logprobs)] = torch.tensor(r.logprobs)
     mask = batch.response_mask
-    gap = lambda lp: float(((lp.cpu() - rollout).abs() * mask).sum() / mask.sum())  # noqa: E731
+    gap = lambda lp: float(((lp.cpu() - rollout).abs() * mask).sum() / mask.sum())
     assert gap(replayed) <= gap(free)
 
 
@@ -188,7 +188,8 @@ def test_media_prefill_and_mrope_positions_in_bf16_on_the_gpu():
     from rlx.media.inputs import concat_media
     from rlx.media.positions import POSITION_INPUTS, position_ids
     from rlx.models.tiny_vl import EOS_ID, PAD_ID, tiny_vl_model
-    from tests.integration.test_qwen_vl_engine import requests_for, trainer_logprobs
+    from tests.integration.media_checks import trainer_logprobs
+    from tests.integration.test_qwen_vl_engine import requests_for
 
     cpu_model, _ = tiny_vl_model("qwen2_vl")
     requests = requests_for(cpu_model)
@@ -196,7 +197,7 @@ def test_media_prefill_and_mrope_positions_in_bf16_on_the_gpu():
     model = model.to("cuda", torch.bfloat16)
     engine = HFGenerationEngine(model, PAD_ID, (EOS_ID,), max_batch_size=4)
     results = engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
-    trained = trainer_logprobs(model, requests, results)
+    trained = trainer_logprobs(model, requests, results, PAD_ID)
     gap = max((t.float().cpu() - torch.tensor(r.logprobs)).abs().max().item() for t, r in zip(trained, results))
     assert gap < 5e-2, gap
     batch = collate([r.prompt_ids for r in results], [r.response_ids for r in results], PAD_ID,

@@ -15,12 +15,9 @@ import torch
 
 from rlx.config import DataConfig, MediaLimits
 from rlx.data.rows import PromptRow
-from rlx.engines.generation import hf
 from rlx.engines.generation.base import GenerationRequest, SamplingParams
 from rlx.engines.generation.hf import HFGenerationEngine
-from rlx.engines.training import collate, token_logprobs
 from rlx.errors import DataError
-from rlx.media.inputs import concat_media
 from rlx.media.loading import MediaItem
 from rlx.media.positions import mm_token_type_ids, mrope_positions
 from rlx.media.processor import QwenVLProcessor, processor_for
@@ -34,6 +31,7 @@ from rlx.models.tiny_vl import (
     VL_FAMILIES,
     tiny_vl_model,
 )
+from tests.integration.media_checks import beside_a_longer_text_row, refill_gaps, second_turn_gap
 
 I, V, S, E = IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID, VISION_END_ID
 # (prompt ids with one placeholder per item, image sizes, video frame count): 0, 1 and 2 images, lone and
@@ -80,31 +78,9 @@ def tiny(request):
     return model
 
 
-def trainer_logprobs(model, requests, results, temperature=1.0, micro_batch=None) -> list[torch.Tensor]:
-    media = {r.request_id: r.media for r in requests}
-    batch = collate([r.prompt_ids for r in results], [r.response_ids for r in results], PAD_ID,
-                    media=[media[r.request_id] for r in results])
-    parts = batch.micro_batches(micro_batch) if micro_batch else [batch]
-    with torch.no_grad():
-        scored = [row for part in parts for row in token_logprobs(model, part, temperature)[0]]
-    return [row[:len(r.logprobs)] for row, r in zip(scored, results)]
-
-
 def test_engine_and_trainer_agree_through_refills(tiny, monkeypatch):
-    merges = []
-    merge = hf._Running.merge
-    monkeypatch.setattr(hf._Running, "merge", lambda self, other: (merges.append(len(other.rows)), merge(self, other)))
-    requests = requests_for(tiny)
-    engine = HFGenerationEngine(tiny, PAD_ID, (EOS_ID,), max_batch_size=4)  # 7 requests through 4 slots
-    # many stop tokens: rows finish at different steps, so slots free up one by one and refills merge
-    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=1, stop_token_ids=tuple(range(30, 50)))
-    results = engine.generate(requests, params)
-    assert merges, "no refill merged into a running cache: the test lost its point"
-    assert len({len(r.response_ids) for r in results}) > 1
-    for micro_batch in (None, 3):  # micro-batches trim columns: positions are recomputed per sub-batch
-        trained = trainer_logprobs(tiny, requests, results, micro_batch=micro_batch)
-        gap = max((t - torch.tensor(r.logprobs)).abs().max().item() for t, r in zip(trained, results))
-        assert gap < 1e-4, (micro_batch, gap)
+    results, gaps = refill_gaps(tiny, requests_for(tiny), PAD_ID, EOS_ID, monkeypatch)
+    assert max(gaps.values()) < 1e-4, gaps
     assert all(I not in r.response_ids and V not in r.response_ids for r in results)
 
 
@@ -136,14 +112,10 @@ def test_positions_are_the_models_own_with_and_without_padding(tiny):
         logits = tiny(input_ids=ids, position_ids=mine, **row.media).logits
     torch.testing.assert_close(logits, own_logits, rtol=0, atol=1e-5)
 
-    width = ids.shape[1] + 5
-    padded = torch.full((2, width), PAD_ID)
-    padded[0, 5:], padded[1] = ids[0], torch.arange(width) % 20 + 3
-    mask = torch.ones_like(padded)
-    mask[0, :5] = 0
+    padded, mask = beside_a_longer_text_row(ids, PAD_ID)
     positions, padded_deltas = mrope_positions(tiny, padded, mask, row.media)
     assert torch.equal(positions[:, 0, 5:], mine[:, 0]) and padded_deltas.tolist() == [deltas.item(), 0]
-    assert torch.equal(positions[:, 1], torch.arange(width).expand(3, -1))
+    assert torch.equal(positions[:, 1], torch.arange(padded.shape[1]).expand(3, -1))
     text_only, zero = mrope_positions(tiny, padded, mask, {})  # no media: the 1-D positions in all three axes
     assert torch.equal(text_only[:, 1], positions[:, 1]) and zero.tolist() == [0, 0]
 
@@ -190,26 +162,11 @@ def test_processor_writes_the_vision_markers_once_per_item(tiny):
 
 
 def test_a_second_turn_with_a_new_image_agrees_with_the_trainer_over_the_whole_trajectory(tiny):
-    """Turn 1 sees image A; the observation of turn 2 brings image B. The trainer scores the whole
-    trajectory (both responses, the observation masked) with A and B in order, as one sequence."""
+    """Turn 1 sees image A; the observation of turn 2 brings image B."""
     processor = QwenVLProcessor(tiny.config, MediaLimits(), load_video=frames)
-    first_ids, first_media = processor([3, I, 4], row_of(0, [(30, 40)], 0))
-    observation, second_media = processor([5, 6, I, 7], row_of(1, [(28, 56)], 0))
-    engine = HFGenerationEngine(tiny, PAD_ID, (EOS_ID,))
-    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
-    (first,) = engine.generate([GenerationRequest(0, first_ids, first_media)], params)
-    both = concat_media([first_media, second_media])
-    context = first.prompt_ids + first.response_ids + observation
-    (second,) = engine.generate([GenerationRequest(1, context, both)], params)
-    trajectory = first.response_ids + observation + second.response_ids
-    mask = [1.0] * len(first.response_ids) + [0.0] * len(observation) + [1.0] * len(second.response_ids)
-    batch = collate([first_ids], [trajectory], PAD_ID, loss_masks=[mask], media=[both])
-    with torch.no_grad():
-        scored = token_logprobs(tiny, batch)[0][0]
-    start = len(first.response_ids) + len(observation)
-    engine_side = torch.tensor(first.logprobs + second.logprobs)
-    trainer_side = torch.cat([scored[:len(first.response_ids)], scored[start:start + len(second.response_ids)]])
-    assert (trainer_side - engine_side).abs().max() < 1e-4
+    first = processor([3, I, 4], row_of(0, [(30, 40)], 0))
+    observation = processor([5, 6, I, 7], row_of(1, [(28, 56)], 0))
+    assert second_turn_gap(tiny, PAD_ID, EOS_ID, first, observation) < 1e-4
 
 
 def test_image_pixel_bounds_come_from_the_config(tiny):

@@ -195,9 +195,9 @@ def test_expand_placeholders():
 
 
 @pytest.mark.parametrize(("tokens", "counts", "message"), [
-    ([5, 9, 6, 9], [4], r"2 placeholder token\(s\) \(id 9\) in the prompt but 1 media item"),
-    ([5, 9, 6], [4, 4], r"1 placeholder token\(s\) \(id 9\) in the prompt but 2 media item"),
-    ([5, 6], [4], r"0 placeholder token\(s\) \(id 9\) in the prompt but 1 media item"),
+    ([5, 9, 6, 9], [4], r"2 media placeholder token\(s\) \(id 9\) in the prompt but 1 media item"),
+    ([5, 9, 6], [4, 4], r"1 media placeholder token\(s\) \(id 9\) in the prompt but 2 media item"),
+    ([5, 6], [4], r"0 media placeholder token\(s\) \(id 9\) in the prompt but 1 media item"),
     ([5, 9], [0], r"counts \[0\] are not positive"),
 ])
 def test_expand_placeholders_refuses_mismatches(tokens, counts, message):

@@ -58,7 +58,8 @@ def response_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, share
     if groups is not None:
         with autocast_context(model, bf16):
             return shared_prompt_logits(model, batch, groups)
-    return forward_logits(model, batch, bf16, logits_to_keep=batch.response_width + 1)[:, :-1]
+    kept = batch.response_width + 1  # a model that ignores logits_to_keep (Qwen2.5-Omni) returns every column
+    return forward_logits(model, batch, bf16, logits_to_keep=kept)[:, -kept:-1]
 
 
 def token_logprobs(

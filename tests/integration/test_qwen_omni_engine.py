@@ -1,0 +1,177 @@
+"""A Qwen2.5-Omni thinker (images, videos and audio in one prompt) through rlx's engines.
+
+rlx's processor writes each image, video and audio clip as the thinker's own processor does (a marker
+pair around one placeholder per feature); the `hf` engine prefills with the media and the model's own
+3-D positions and decodes through refills; the trainer scores the same tokens with the same media and
+positions, each media object encoded once, and the two agree. The positions and logits equal the
+model's own forward, which encodes the media itself and builds its positions from the marker tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from rlx.config import DataConfig, MediaLimits
+from rlx.data.rows import PromptRow
+from rlx.engines.generation.base import GenerationRequest, SamplingParams
+from rlx.engines.generation.hf import HFGenerationEngine
+from rlx.errors import DataError
+from rlx.media.audio_features import SAMPLING_RATE, encoder_tokens, real_frames
+from rlx.media.encode import forward_inputs
+from rlx.media.inputs import media_token_ids
+from rlx.media.loading import MediaItem
+from rlx.media.positions import mrope_positions
+from rlx.media.processor import QwenOmniProcessor, processor_for
+from rlx.models.tiny_omni import (
+    AUDIO_END_ID,
+    AUDIO_START_ID,
+    AUDIO_TOKEN_ID,
+    EOS_ID,
+    IMAGE_TOKEN_ID,
+    PAD_ID,
+    VIDEO_TOKEN_ID,
+    VISION_END_ID,
+    VISION_START_ID,
+    tiny_omni_model,
+)
+from tests.integration.media_checks import beside_a_longer_text_row, refill_gaps, second_turn_gap
+from tests.integration.test_qwen_vl_engine import frames
+from tests.integration.test_qwen_vl_engine import row_of as vl_row_of
+
+I, V, A = IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, AUDIO_TOKEN_ID
+S, E, AS, AE = VISION_START_ID, VISION_END_ID, AUDIO_START_ID, AUDIO_END_ID
+MARKERS = {I, V, A, S, E, AS, AE}
+# (prompt ids with one placeholder per item, image sizes, video frames, audio seconds): every modality
+# alone and together, lone and already-wrapped placeholders, a text-only prompt, different lengths
+PROMPTS = [
+    ([3, 4, I, 5, 6], [(30, 40)], 0, []),
+    ([7, A, 8], [], 0, [0.7]),
+    ([10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [], 0, []),
+    ([S, I, E, 9, AS, A, AE, 21, A], [(28, 56)], 0, [0.4, 1.3]),
+    ([25, V, 26], [], 4, []),
+    ([27, I, 28, V, 29, A], [(33, 33)], 4, [0.9]),
+    ([23, 24], [], 0, []),
+]
+
+
+def clip(seconds: float, seed: int) -> np.ndarray:
+    """A tone with noise: structure the log-mel and the audio tower both see."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * SAMPLING_RATE)) / SAMPLING_RATE
+    return (0.3 * np.sin(2 * np.pi * (220 + 110 * seed) * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def row_of(index: int, image_sizes, video_frames: int, audio_seconds) -> PromptRow:
+    """Qwen-VL's test row (random images and video frames) with clips of `audio_seconds` added."""
+    row = vl_row_of(index, image_sizes, video_frames)
+    if not audio_seconds:
+        return row
+    clips = tuple(MediaItem("audio", array=clip(s, index + j)) for j, s in enumerate(audio_seconds))
+    return replace(row, media={**row.media, "audio": clips})
+
+
+def processor_of(model) -> QwenOmniProcessor:
+    return QwenOmniProcessor(model.config, MediaLimits(), load_video=frames)
+
+
+def requests_for(model, prompts=PROMPTS) -> list[GenerationRequest]:
+    processor = processor_of(model)
+    out = []
+    for i, (ids, images, video, audio) in enumerate(prompts):
+        expanded, media = processor(ids, row_of(i, images, video, audio))
+        out.append(GenerationRequest(i, expanded, media or None))
+    return out
+
+
+@pytest.fixture(scope="module")
+def omni():
+    return tiny_omni_model()
+
+
+def test_engine_and_trainer_agree_through_refills(omni, monkeypatch):
+    results, gaps = refill_gaps(omni, requests_for(omni), PAD_ID, EOS_ID, monkeypatch)
+    assert max(gaps.values()) < 1e-4, gaps
+    # a sampled marker would shift the positions the model derives from them: the engine never samples one
+    assert set(media_token_ids(omni.config)) == MARKERS
+    assert not any(MARKERS & set(r.response_ids) for r in results)
+
+
+def test_positions_and_logits_are_the_models_own_with_and_without_padding(omni):
+    (row,) = requests_for(omni, [([3, I, 4, V, 5, A, 6], [(30, 40)], 4, [1.1])])
+    ids = torch.tensor([row.prompt_ids])
+    mine, deltas = mrope_positions(omni, ids, torch.ones_like(ids), row.media)
+    own, own_deltas = omni.get_rope_index(ids, row.media["image_grid_thw"], row.media["video_grid_thw"],
+                                          torch.ones_like(ids), False, row.media["feature_attention_mask"].sum(-1),
+                                          row.media["video_second_per_grid"])
+    assert torch.equal(mine, own) and deltas.tolist() == own_deltas.flatten().tolist() and deltas.item() < 0
+    with torch.no_grad():  # the model's own forward: it encodes the media and positions the tokens itself
+        theirs = omni(input_ids=ids, attention_mask=torch.ones_like(ids), **row.media).logits
+        encoded_once = omni(**forward_inputs(omni, ids, [row.media]), position_ids=mine).logits
+    torch.testing.assert_close(encoded_once, theirs, rtol=0, atol=1e-5)
+
+    padded, mask = beside_a_longer_text_row(ids, PAD_ID)
+    positions, padded_deltas = mrope_positions(omni, padded, mask, row.media)
+    assert torch.equal(positions[:, 0, 5:], mine[:, 0]) and padded_deltas.tolist() == [deltas.item(), 0]
+    assert torch.equal(positions[:, 1], torch.arange(padded.shape[1]).expand(3, -1))
+    (audio_only,) = requests_for(omni, [([7, A, 8], [], 0, [0.7])])  # audio keeps text's 1-D positions
+    ids = torch.tensor([audio_only.prompt_ids])
+    linear, zero = mrope_positions(omni, ids, torch.ones_like(ids), audio_only.media)
+    assert torch.equal(linear, torch.arange(ids.shape[1]).expand(3, 1, -1)) and zero.tolist() == [0]
+
+
+def test_engine_decodes_as_the_models_own_generate(omni):
+    (row,) = requests_for(omni, [([3, I, 4, A, 5], [(30, 40)], 0, [0.8])])
+    engine = HFGenerationEngine(omni, PAD_ID, (EOS_ID,))
+    (result,) = engine.generate([row], SamplingParams(temperature=0.0, max_new_tokens=8))
+    ids = torch.tensor([row.prompt_ids])
+    with torch.no_grad():
+        out = omni.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **row.media, max_new_tokens=8,
+                            do_sample=False, suppress_tokens=sorted(MARKERS), eos_token_id=EOS_ID,
+                            pad_token_id=PAD_ID, output_logits=True, return_dict_in_generate=True)
+    assert out.sequences[0, ids.shape[1]:].tolist() == result.response_ids
+    theirs = torch.stack([step[0].log_softmax(-1)[token] for step, token in zip(out.logits, result.response_ids)])
+    torch.testing.assert_close(torch.tensor(result.logprobs), theirs, rtol=0, atol=1e-4)
+
+
+def test_processor_writes_each_item_between_its_markers(omni):
+    processor = processor_for(omni.config, DataConfig())
+    assert isinstance(processor, QwenOmniProcessor)
+    assert processor.placeholder_ids == {"image": I, "video": V, "audio": A}
+    processor = processor_of(omni)
+    row = row_of(0, [(30, 40)], 4, [1.25])
+    lone, media = processor([3, I, 4, V, 5, A], row)
+    wrapped, _ = processor([3, S, I, E, 4, S, V, E, 5, AS, A, AE], row)
+    assert lone == wrapped
+    image_tokens = media["image_grid_thw"][0].prod().item() // 4
+    video_tokens = media["video_grid_thw"][0].prod().item() // 4
+    audio_tokens = encoder_tokens(real_frames(int(1.25 * SAMPLING_RATE)))
+    assert audio_tokens == 31  # 125 frames: 63 after the stride-2 convolution, 31 after the pooling
+    assert lone == [3, S, *[I] * image_tokens, E, 4, S, *[V] * video_tokens, E, 5, AS, *[A] * audio_tokens, AE]
+    # a 30 s window of Whisper features per clip, its real frames marked; the video's seconds per
+    # temporal patch (2 frames at the default 2 fps) place its frames in time
+    assert media["input_features"].shape == (1, 128, 3000)
+    assert media["feature_attention_mask"].sum().item() == real_frames(int(1.25 * SAMPLING_RATE))
+    assert media["video_second_per_grid"].tolist() == [1.0]
+    slow = processor_for(omni.config, DataConfig(video={"fps": 0.5}))
+    assert slow.__class__ is QwenOmniProcessor and slow.seconds_per_grid == 4.0
+
+    with pytest.raises(DataError, match=r"rows.jsonl:1: 2 audio placeholder token\(s\) \(id 127\) .* but 1 audio item"):
+        processor([3, I, V, A, A], row)
+    too_long = row_of(4, [], 0, [30.5])
+    with pytest.raises(DataError, match=r"rows.jsonl:5: audio clip 0 lasts 30.5 s, over the 30 s"):
+        processor([A], too_long)
+    too_short = row_of(5, [], 0, [0.01])
+    with pytest.raises(DataError, match=r"rows.jsonl:6: audio clip 0 is shorter than 21 ms"):
+        processor([A], too_short)
+
+
+def test_a_second_turn_with_a_new_clip_and_image_agrees_with_the_trainer(omni):
+    """Turn 1 hears clip A; the observation of turn 2 brings an image and clip B."""
+    processor = processor_of(omni)
+    first = processor([3, A, 4], row_of(0, [], 0, [0.6]))
+    observation = processor([5, I, 6, A, 7], row_of(1, [(28, 56)], 0, [1.1]))
+    assert second_turn_gap(omni, PAD_ID, EOS_ID, first, observation) < 1e-4
