@@ -79,6 +79,16 @@ def encoder_tokens(frames: int) -> int:
     return (after_conv - 2) // 2 + 1
 
 
+def chunked_encoder_tokens(frames: int, n_window: int) -> int:
+    """Audio tokens Qwen3-Omni's encoder makes of `frames` real mel frames: it reads chunks of
+    2 * n_window frames, each full chunk making 13 tokens (n_window=50: 13 per second), and the rest
+    through three stride-2 convolutions (each halving, rounding up)."""
+    full, rest = divmod(frames, 2 * n_window)
+    for _ in range(3):
+        rest = (rest - 1) // 2 + 1
+    return rest + 13 * full
+
+
 def clip_windows(samples: np.ndarray, frames: int) -> list[np.ndarray]:
     """The clip cut into consecutive windows of `frames` frames; a tail too short to make an audio
     token (under 21 ms) is dropped, so a clip that short has no window."""

@@ -1,5 +1,5 @@
-"""M-RoPE positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, the Qwen2.5-Omni thinker), computed one way for the
-engine and the trainer.
+"""M-RoPE positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, the Qwen2.5-Omni and Qwen3-Omni thinkers), computed
+one way for the engine and the trainer.
 
 These models rotate each token by three positions (time, height, width): text tokens take the same
 value in all three, an image's tokens span its grid, so after an image the positions run behind the
@@ -9,9 +9,10 @@ and leave a running batch. rlx passes them explicitly instead: the model's own `
 the real (attended) tokens of each row, so padding never shifts them, and a per-row delta that the
 engine adds to a row's 1-D position at every decode step.
 
-Qwen2.5-Omni's thinker finds its media by their marker tokens and continues text positions through
-audio (only images and videos span a grid); its `get_rope_index` takes the grids, the audio clips'
-real frame counts and each video's seconds per temporal patch instead of token types.
+The Qwen-Omni thinkers find their media by the marker tokens and continue text positions through
+audio (only images and videos span a grid); their `get_rope_index` takes the grids, the audio clips'
+real frame counts and each video's seconds per temporal patch instead of token types. Qwen3-Omni's
+positions are floats (a video's time axis can fall between integers); they stay floats.
 
 Every other model keeps 1-D positions (`cumsum(attention_mask) - 1`).
 """
@@ -27,7 +28,7 @@ from rlx.media.inputs import MediaInputs
 if TYPE_CHECKING:  # transformers costs seconds to import
     from transformers import PreTrainedModel
 
-OMNI_MODEL_TYPES = frozenset({"qwen2_5_omni_thinker"})
+OMNI_MODEL_TYPES = frozenset({"qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"})
 MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}) | OMNI_MODEL_TYPES
 # media inputs get_rope_index reads: grids; Qwen2.5-VL's (and Omni's) seconds per temporal patch of each
 # video; Omni's audio masks, whose sums are the clips' real frames
@@ -59,7 +60,7 @@ def mrope_positions(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
     exactly as the trainer, which scores prompt and response together, positions it. (This is the
     model's own `rope_deltas` except after a video whose time axis outruns its height and width:
     there the model's decode jumps past the video's largest position, its training forward does not.)
-    Padding columns get the model's filler position (0, or 1 for Omni): nothing attends them."""
+    Padding columns get the model's filler position (0; 1 for Qwen2.5-Omni): nothing attends them."""
     batch = input_ids.shape[0]
     if not any(key in media for key in POSITION_INPUTS):  # text only: M-RoPE's three axes are the 1-D positions
         return linear_positions(attention_mask).expand(3, -1, -1), input_ids.new_zeros(batch)

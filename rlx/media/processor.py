@@ -19,6 +19,7 @@ import torch
 
 from rlx.errors import DataError
 from rlx.media.inputs import CLIP_MEAN, CLIP_STD, MediaInputs, expand_placeholders
+from rlx.media.positions import OMNI_MODEL_TYPES
 
 if TYPE_CHECKING:
     from rlx.config import DataConfig, MediaLimits
@@ -29,9 +30,9 @@ if TYPE_CHECKING:
 VideoLoader = Callable[["MediaItem", "MediaLimits", str], list[np.ndarray]]
 QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 AUDIO_MODEL_TYPES = ("audioflamingo3",)
-OMNI_MODEL_TYPES = ("qwen2_5_omni_thinker",)
 # the input that carries each video's seconds per temporal patch, where the family's positions use it
-SECONDS_PER_GRID_INPUT = {"qwen2_5_vl": "second_per_grid_ts", "qwen2_5_omni_thinker": "video_second_per_grid"}
+SECONDS_PER_GRID_INPUT = {"qwen2_5_vl": "second_per_grid_ts", "qwen2_5_omni_thinker": "video_second_per_grid",
+                          "qwen3_omni_moe_thinker": "video_second_per_grid"}
 
 
 class MediaProcessor(Protocol):
@@ -190,28 +191,39 @@ class WhisperAudioProcessor:
 
 
 class QwenOmniProcessor:
-    """Images, videos and audio for a Qwen2.5-Omni thinker, as its own processor prepares them: images
-    and videos as for Qwen2.5-VL (its vision tower), each video with its seconds per temporal patch
+    """Images, videos and audio for a Qwen-Omni thinker (Qwen2.5-Omni, Qwen3-Omni), as its own
+    processor prepares them: images and videos as for the family's vision tower (Qwen2.5-VL's;
+    Qwen3-VL's geometry for Qwen3-Omni), each video with its seconds per temporal patch
     (`video_second_per_grid`, which places its frames in time); each audio clip as Whisper log-mel
-    features of one 30 s window (`input_features`) with a mask of its real frames
-    (`feature_attention_mask`). Each placeholder is written between its markers (vision or audio
-    start and end: the thinker finds its media by them); a clip stands for 25 tokens per second."""
+    features padded to one 30 s window (`input_features`, so clips of different rows stack) with a
+    mask of its real frames (`feature_attention_mask`). Each placeholder is written between its
+    markers (vision or audio start and end: the thinker finds its media by them); a clip stands for
+    25 tokens per second (Qwen2.5-Omni) or 13 (Qwen3-Omni's chunked encoder)."""
 
-    WINDOW_FRAMES = 3000  # 30 s of 10 ms frames: the thinker's processor pads every clip to it
+    WINDOW_FRAMES = 3000  # 30 s of 10 ms frames: Qwen2.5-Omni's processor pads every clip to it
 
     def __init__(self, config: Any, limits: MediaLimits, load_video: VideoLoader | None = None,
                  image_pixels: tuple[int, int] | None = None, fps: float = 2.0, sampling_rate: int = 16_000) -> None:
+        from rlx.media.audio_features import chunked_encoder_tokens, encoder_tokens
+
         _check_whisper_rate(sampling_rate)
         self.vision = QwenVLProcessor(config, limits, load_video, image_pixels, fps)
         self.limits, self.seconds_per_grid = limits, self.vision.seconds_per_grid
         self.n_mels = config.audio_config.num_mel_bins
         self.audio_token_id = config.audio_token_id
-        self.audio_markers = (config.audio_start_token_id, config.audio_end_token_id)
+        markers = (getattr(config, "audio_start_token_id", None), getattr(config, "audio_end_token_id", None))
+        if None in markers:
+            raise ValueError(f"the {config.model_type} config names no audio_start_token_id / audio_end_token_id: "
+                             "add them (the ids of <|audio_start|> and <|audio_end|> in its tokenizer)")
+        self.audio_markers = markers
         self.placeholder_ids = {**self.vision.placeholder_ids, "audio": config.audio_token_id}
+        n_window = config.audio_config.n_window
+        self.audio_tokens = (encoder_tokens if config.model_type == "qwen2_5_omni_thinker"
+                             else lambda frames: chunked_encoder_tokens(frames, n_window))
 
     def __call__(self, prompt_ids: list[int], row: PromptRow) -> tuple[list[int], MediaInputs]:
         from rlx.media.audio import load_audio
-        from rlx.media.audio_features import SAMPLING_RATE, encoder_tokens, log_mel, real_frames
+        from rlx.media.audio_features import SAMPLING_RATE, log_mel, real_frames
 
         seen = replace(row, media={kind: items for kind, items in row.media.items() if kind != "audio"})
         ids, inputs = self.vision(prompt_ids, seen)
@@ -221,14 +233,14 @@ class QwenOmniProcessor:
             frames = real_frames(samples.size)
             if frames > self.WINDOW_FRAMES:
                 raise DataError(f"{row.source}: audio clip {index} lasts {samples.size / SAMPLING_RATE:.1f} s, over "
-                                "the 30 s a Qwen2.5-Omni clip holds: split it into clips of at most 30 s, each "
+                                "the 30 s rlx gives a Qwen-Omni clip: split it into clips of at most 30 s, each "
                                 "with its own <audio>")
-            if encoder_tokens(frames) < 1:
-                raise DataError(f"{row.source}: audio clip {index} is shorter than 21 ms, too short for one audio "
-                                "token; drop it or pad it with silence")
+            if self.audio_tokens(frames) < 1:
+                raise DataError(f"{row.source}: audio clip {index} is too short for one audio token; drop it or "
+                                "pad it with silence")
             features.append(log_mel(samples, self.n_mels, self.WINDOW_FRAMES))
             masks.append(torch.arange(self.WINDOW_FRAMES) < frames)
-            counts.append(encoder_tokens(frames))
+            counts.append(self.audio_tokens(frames))
         try:
             ids = expand_placeholders(ids, self.audio_token_id, counts, self.audio_markers, "audio")
         except ValueError as exc:
@@ -259,5 +271,5 @@ def processor_for(config: Any, data: DataConfig) -> MediaProcessor:
         return WhisperAudioProcessor(config, data.media_limits, data.audio_sampling_rate)
     raise ValueError(f"model type {config.model_type!r} takes no media in rlx (data.media_keys is set): "
                      "supported are LLaVA models (e.g. the built-in smollm2-135m-vision), "
-                     f"{', '.join(QWEN_VL_MODEL_TYPES)}, {', '.join(OMNI_MODEL_TYPES)} and "
+                     f"{', '.join(QWEN_VL_MODEL_TYPES)}, {', '.join(sorted(OMNI_MODEL_TYPES))} and "
                      f"{', '.join(AUDIO_MODEL_TYPES)} (e.g. the built-in smollm2-135m-audio)")

@@ -36,10 +36,17 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_vl": {"image_mean": HALF, "image_std": HALF,
                  "min_pixels": 65536, "max_pixels": 16777216,
                  "video_min_pixels": 128 * 32 * 32, "video_max_pixels": 32 * 32 * 768},
+    # Qwen3-Omni: transformers' Qwen3-Omni processor uses Qwen2-VL's image and video processors (each
+    # frame bounded alone, one block per video) with these video bounds; its image bounds and
+    # normalisation come from the released preprocessor_config.json, taken here as Qwen3-VL's
+    "qwen3_omni": {"image_mean": HALF, "image_std": HALF,
+                   "min_pixels": 65536, "max_pixels": 16777216,
+                   "video_min_pixels": 128 * 32 * 32, "video_max_pixels": 768 * 32 * 32},
 }
 # the Qwen2.5-Omni thinker's vision tower and image/video processors are Qwen2.5-VL's
 MODEL_TYPE_FAMILY = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl",
-                     "qwen3_vl_moe": "qwen3_vl", "qwen2_5_omni_thinker": "qwen2_5_vl"}
+                     "qwen3_vl_moe": "qwen3_vl", "qwen2_5_omni_thinker": "qwen2_5_vl",
+                     "qwen3_omni_moe_thinker": "qwen3_omni"}
 MAX_ASPECT_RATIO = 200
 
 

@@ -1,4 +1,4 @@
-"""A Qwen2.5-Omni thinker (images, videos and audio in one prompt) through rlx's engines.
+"""Qwen-Omni thinkers (Qwen2.5-Omni, Qwen3-Omni: images, videos and audio in one prompt) through rlx's engines.
 
 rlx's processor writes each image, video and audio clip as the thinker's own processor does (a marker
 pair around one placeholder per feature); the `hf` engine prefills with the media and the model's own
@@ -20,7 +20,7 @@ from rlx.data.rows import PromptRow
 from rlx.engines.generation.base import GenerationRequest, SamplingParams
 from rlx.engines.generation.hf import HFGenerationEngine
 from rlx.errors import DataError
-from rlx.media.audio_features import SAMPLING_RATE, encoder_tokens, real_frames
+from rlx.media.audio_features import SAMPLING_RATE, chunked_encoder_tokens, encoder_tokens, real_frames
 from rlx.media.encode import forward_inputs
 from rlx.media.inputs import media_token_ids
 from rlx.media.loading import MediaItem
@@ -32,6 +32,7 @@ from rlx.models.tiny_omni import (
     AUDIO_TOKEN_ID,
     EOS_ID,
     IMAGE_TOKEN_ID,
+    OMNI_FAMILIES,
     PAD_ID,
     VIDEO_TOKEN_ID,
     VISION_END_ID,
@@ -87,9 +88,9 @@ def requests_for(model, prompts=PROMPTS) -> list[GenerationRequest]:
     return out
 
 
-@pytest.fixture(scope="module")
-def omni():
-    return tiny_omni_model()
+@pytest.fixture(scope="module", params=OMNI_FAMILIES)
+def omni(request):
+    return tiny_omni_model(request.param)
 
 
 def test_engine_and_trainer_agree_through_refills(omni, monkeypatch):
@@ -148,8 +149,11 @@ def test_processor_writes_each_item_between_its_markers(omni):
     assert lone == wrapped
     image_tokens = media["image_grid_thw"][0].prod().item() // 4
     video_tokens = media["video_grid_thw"][0].prod().item() // 4
-    audio_tokens = encoder_tokens(real_frames(int(1.25 * SAMPLING_RATE)))
-    assert audio_tokens == 31  # 125 frames: 63 after the stride-2 convolution, 31 after the pooling
+    audio_tokens = lone.count(A)
+    if omni.config.model_type == "qwen2_5_omni_thinker":
+        assert audio_tokens == encoder_tokens(125) == 31  # 125 frames: 63 after the stride-2 convolution, 31 pooled
+    else:
+        assert audio_tokens == chunked_encoder_tokens(125, 50) == 17  # 13 for the full 1 s chunk, 4 for the rest
     assert lone == [3, S, *[I] * image_tokens, E, 4, S, *[V] * video_tokens, E, 5, AS, *[A] * audio_tokens, AE]
     # a 30 s window of Whisper features per clip, its real frames marked; the video's seconds per
     # temporal patch (2 frames at the default 2 fps) place its frames in time
@@ -164,9 +168,10 @@ def test_processor_writes_each_item_between_its_markers(omni):
     too_long = row_of(4, [], 0, [30.5])
     with pytest.raises(DataError, match=r"rows.jsonl:5: audio clip 0 lasts 30.5 s, over the 30 s"):
         processor([A], too_long)
-    too_short = row_of(5, [], 0, [0.01])
-    with pytest.raises(DataError, match=r"rows.jsonl:6: audio clip 0 is shorter than 21 ms"):
-        processor([A], too_short)
+    if omni.config.model_type == "qwen2_5_omni_thinker":  # 10 ms: a token for Qwen3-Omni, none for Qwen2.5's
+        too_short = row_of(5, [], 0, [0.01])
+        with pytest.raises(DataError, match=r"rows.jsonl:6: audio clip 0 is too short for one audio token"):
+            processor([A], too_short)
 
 
 def test_a_second_turn_with_a_new_clip_and_image_agrees_with_the_trainer(omni):
@@ -175,3 +180,15 @@ def test_a_second_turn_with_a_new_clip_and_image_agrees_with_the_trainer(omni):
     first = processor([3, A, 4], row_of(0, [], 0, [0.6]))
     observation = processor([5, I, 6, A, 7], row_of(1, [(28, 56)], 0, [1.1]))
     assert second_turn_gap(omni, PAD_ID, EOS_ID, first, observation) < 1e-4
+
+
+def test_audio_token_counts_are_the_encoders_own():
+    """Every clip length up to the 30 s window: the count the processor writes is what the thinker's
+    encoder makes (a wrong count is the "features and tokens do not match" error users hit)."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    frames = torch.arange(1, QwenOmniProcessor.WINDOW_FRAMES + 1)
+    qwen2_5 = tiny_omni_model("qwen2_5_omni").audio_tower._get_feat_extract_output_lengths(frames)[1]
+    assert [encoder_tokens(f) for f in frames.tolist()] == qwen2_5.tolist()
+    qwen3 = _get_feat_extract_output_lengths(frames, 50)
+    assert [chunked_encoder_tokens(f, 50) for f in frames.tolist()] == qwen3.tolist()

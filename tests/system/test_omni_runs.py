@@ -1,6 +1,7 @@
-"""Images, audio and video in one prompt, end to end on a tiny Qwen2.5-Omni thinker: a JSONL dataset
-points to PNG, WAV and MP4 files; rlx's processor reads them (the video at 2 fps, the audio at 16 kHz),
-the engine and the trainer see the same media and positions, and the trained thinker exports to a
+"""Images, audio and video in one prompt, end to end on tiny Qwen2.5-Omni and Qwen3-Omni thinkers: a
+JSONL dataset points to PNG, WAV and MP4 files; rlx's processor reads them (the video at 2 fps, the
+audio at 16 kHz), the engine and the trainer see the same media and positions (Qwen3-Omni's language
+model is a mixture of experts: its routes are replayed too), and the trained thinker exports to a
 folder transformers' Auto classes reload."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from rlx.cli import main
 from rlx.config import build_config
 from rlx.models import load_pretrained
-from rlx.models.tiny_omni import build_tiny_omni
+from rlx.models.tiny_omni import OMNI_FAMILIES, build_tiny_omni
 from rlx.obs.metrics import read_metrics
 from rlx.orchestration.colocate import run_colocate
 
@@ -53,8 +54,9 @@ def _mp4(path, digit: int, seconds: float = 2.0, rate: int = 8) -> None:
     path.write_bytes(buffer.getvalue())
 
 
-def test_a_qwen_omni_run_reads_images_audio_and_video_files_and_exports(tmp_path, capsys):
-    model_path = build_tiny_omni(tmp_path / "tiny-omni")
+@pytest.mark.parametrize("family", OMNI_FAMILIES)
+def test_a_qwen_omni_run_reads_images_audio_and_video_files_and_exports(family, tmp_path, capsys):
+    model_path = build_tiny_omni(tmp_path / "tiny-omni", family)
     rows = []
     for i in range(8):
         digit = i % 3
@@ -82,11 +84,14 @@ def test_a_qwen_omni_run_reads_images_audio_and_video_files_and_exports(tmp_path
     # same 3-D positions; the Reference agrees with the first step's policy only with them too
     assert len(steps) == 2 and all(r["rollout_logprob_abs_diff"] < 1e-4 for r in steps)
     assert abs(steps[0]["kl"]) < 1e-5
+    if family == "qwen3_omni":  # R3 resolved from `auto` for a MoE: the trainer replayed the engine's routes
+        assert all("route_mismatch_fraction" in r for r in steps)
     assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 2]
 
     assert main(["export", str(run_dir), str(tmp_path / "hf")]) == 0
     model, _ = load_pretrained(tmp_path / "hf")
-    assert type(model).__name__ == "Qwen2_5OmniThinkerForConditionalGeneration"
+    assert type(model).__name__ == {"qwen2_5_omni": "Qwen2_5OmniThinkerForConditionalGeneration",
+                                    "qwen3_omni": "Qwen3OmniMoeThinkerForConditionalGeneration"}[family]
     capsys.readouterr()
     assert main(["eval", str(run_dir)]) == 0
     evaluated = json.loads(capsys.readouterr().out)
