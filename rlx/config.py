@@ -231,6 +231,11 @@ class AgentConfig(Section):
 
     environment: str = Field("tools", description="tools, feedback, or a user class package.module:Name")
     environment_options: dict[str, Any] = Field(default_factory=dict)
+    isolate_environment: bool = Field(True, description="run a user environment (package.module:Name) in a "
+                                      "process of its own, killed past environment_timeout_s; false: on its "
+                                      "trajectory's thread in the rollout process (starts faster, cannot be killed)")
+    environment_timeout_s: float = Field(60.0, gt=0.0, description="an isolated environment's reset or step "
+                                         "running longer is killed with its process: the trajectory ends (env_error)")
     tools: list[ToolConfig] = Field(default_factory=list, description="the tools environment's tools")
     parser: str = Field("hermes", description="tool-call parser: hermes (<tool_call>{json}</tool_call>) or "
                         "module:function")

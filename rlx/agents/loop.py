@@ -128,6 +128,7 @@ class AgentRollout(ConcurrentRollout):
                 step = env.step(text)
             except Exception as error:  # noqa: BLE001 - user environment code; the trajectory ends, the run goes on
                 log.warning("environment step failed: %s: %s", type(error).__name__, error)
+                trajectory.env_error = f"{type(error).__name__}: {error}"
                 return _finish(trajectory, "env_error")
             trajectory.tool_calls += step.tool_calls
             if step.reward is not None:

@@ -36,7 +36,13 @@ def environment_factory(config: RunConfig, toolbox: ToolBox | None) -> Environme
     assert agent is not None
     system_prompt = agent.system_prompt if agent.system_prompt is not None else config.data.system_prompt
     if ":" in agent.environment:
-        return user_environment(agent.environment, agent.environment_options)
+        factory = user_environment(agent.environment, agent.environment_options)
+        if not agent.isolate_environment:
+            return factory
+        from rlx.agents.isolated import IsolatedEnvironments
+
+        return IsolatedEnvironments(agent.environment, agent.environment_options, agent.environment_timeout_s,
+                                    rollout_concurrency(config))
     if agent.environment not in ENVIRONMENTS:
         raise ConfigError(f"rollout.agent.environment={agent.environment!r} is unknown; use one of "
                           f"{ENVIRONMENTS.names()} or package.module:Name")
@@ -52,13 +58,19 @@ def environment_factory(config: RunConfig, toolbox: ToolBox | None) -> Environme
     return ENVIRONMENTS.get(agent.environment)(score=score, system_prompt=system_prompt, **agent.environment_options)
 
 
+def rollout_concurrency(config: RunConfig) -> int:
+    """Trajectories in flight per rollout replica."""
+    assert config.rollout.agent is not None
+    return config.rollout.agent.concurrency or config.rollout.max_batch_size
+
+
 def build_agent_rollout(config: RunConfig, engine, tokenizer: PreTrainedTokenizerBase) -> AgentRollout:
     agent = config.rollout.agent
     assert agent is not None
     toolbox = build_toolbox(agent) if agent.tools else None
     rollout = AgentRollout(engine, tokenizer, environment_factory(config, toolbox),
                            TurnLimits(agent.max_turns, agent.max_trajectory_tokens),
-                           agent.concurrency or config.rollout.max_batch_size)
+                           rollout_concurrency(config))
     check = rollout.template_check
     (log.info if check.exact else log.warning)("chat template, token in / token out: %s", check.detail)
     return rollout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 import time
 from typing import ClassVar
@@ -60,3 +62,25 @@ class SlowTool(ScriptedTool):
         with self._lock:
             self.calls.append((start, time.monotonic()))
         return super().step(action)
+
+
+class Hangs(ScriptedTool):
+    """Fault injection: the first step holds the GIL for ever (a regex that backtracks exponentially)."""
+
+    def step(self, action: str) -> EnvStep:
+        re.match(r"(a+)+$", "a" * 64 + "b")
+        return super().step(action)
+
+
+class Exits(ScriptedTool):
+    """Fault injection: the first step ends the interpreter."""
+
+    def step(self, action: str) -> EnvStep:
+        os._exit(3)
+
+
+class Garbage(ScriptedTool):
+    """Fault injection: the first step returns what cannot cross a process boundary (a function)."""
+
+    def step(self, action: str) -> EnvStep:
+        return EnvStep([{"role": "tool", "content": lambda: None}])

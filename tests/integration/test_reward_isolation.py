@@ -121,7 +121,7 @@ def test_a_pool_process_ends_itself_after_its_deadline():
     try:
         worker.answer(60, "the pool process did not start")
         spec = RewardSpec(f"{BAD}:misbehaves", "none", None, tuple(sys.path))
-        worker.conn.send(("call", spec, ("x", "x", {"fault": "gil_regex"}), 0.5))
+        worker.conn.send(("call", (spec, ("x", "x", {"fault": "gil_regex"})), 0.5))
         assert worker.proc.wait(timeout=30) == -signal.SIGALRM
     finally:
         worker.kill()
