@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from rlx.agents.chat import ChatTokens, TemplateDrift, check_template
-from rlx.agents.environments import Environment, EnvironmentFactory
+from rlx.agents.environments import Environment, EnvironmentFactory, opening_messages
 from rlx.agents.trajectory import Trajectory
 from rlx.data.rows import PromptRow
 from rlx.data.sample import Sample
@@ -111,7 +111,13 @@ class AgentRollout(ConcurrentRollout):
             env.close()
 
     def _play(self, env: Environment, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
-        messages = env.reset(row)
+        try:
+            messages = env.reset(row)
+        except Exception as error:  # noqa: BLE001 - user environment code; the sample carries the failure
+            log.warning("environment reset failed: %s: %s", type(error).__name__, error)
+            trajectory = Trajectory(self.chat.prompt_ids(opening_messages(row, None, ())), finish_reason="env_error")
+            trajectory.env_error = f"{type(error).__name__}: {error}"
+            return trajectory
         trajectory = Trajectory(self.chat.prompt_ids(messages))
         limits = self.limits
         while True:

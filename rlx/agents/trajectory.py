@@ -37,7 +37,7 @@ class Trajectory:
     turns: int = 0  # policy turns
     behavior_version: int | None = None  # weights of the first policy token
     last_behavior_version: int | None = None  # weights of the last policy token
-    finish_reason: str = ""  # stop, length (a turn hit max_new_tokens), max_turns, max_tokens
+    finish_reason: str = ""  # stop, length (a turn hit max_new_tokens), max_turns, max_tokens, env_error
     final_text: str = ""  # the last policy turn as text: what the reward reads
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     env_reward: float | None = None  # a reward the environment gave at the end, if it gives one

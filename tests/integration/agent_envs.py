@@ -84,3 +84,11 @@ class Garbage(ScriptedTool):
 
     def step(self, action: str) -> EnvStep:
         return EnvStep([{"role": "tool", "content": lambda: None}])
+
+
+class HangsOnReset(ScriptedTool):
+    """Fault injection: reset holds the GIL for ever."""
+
+    def reset(self, row: PromptRow) -> list[dict]:
+        re.match(r"(a+)+$", "a" * 64 + "b")
+        return super().reset(row)

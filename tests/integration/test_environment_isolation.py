@@ -100,6 +100,21 @@ def test_a_user_environment_is_isolated_by_default(tmp_path):
     assert type(env).__name__ == "ScriptedTool"
 
 
+def test_a_reset_that_hangs_yields_samples_that_carry_the_failure(tiny):
+    """The episode cannot start: its sample has the prompt, no response and the reason, which
+    reward.name=environment turns into a failed reward (counted, never trained on)."""
+    _, tokenizer = tiny
+    factory = IsolatedEnvironments(f"{ENVS}:HangsOnReset", {}, TIMEOUT_S, 6)
+    try:
+        samples = _play(_rollout(tiny, factory), tokenizer)
+    finally:
+        factory.close()
+    assert len(samples) == 6 and {s.finish_reason for s in samples} == {"env_error"}
+    assert all(s.response_ids == [] and s.prompt_ids for s in samples)
+    assert all("HangsOnReset reset: " in s.metadata["env_error"] and "environment_timeout_s" in s.metadata["env_error"]
+               for s in samples)
+
+
 def test_a_failing_reset_names_the_environment():
     env = IsolatedEnvironments(f"{ENVS}:Hangs", {}, TIMEOUT_S, 1)()
     try:
