@@ -127,6 +127,8 @@ class DataConfig(Section):
         "each side a multiple of patch x merge); default: the model family's (Qwen2/2.5-VL 3136-1003520, "
         "Qwen3-VL 65536-16777216). More pixels: more image tokens")
     audio_sampling_rate: int = Field(AUDIO_SAMPLING_RATE, gt=0, description="audio is resampled to this rate (Hz), mono")
+    processor_workers: int = Field(0, ge=0, description="processes per rollout replica that decode and process "
+                                   "media, the groups a step starts in parallel; 0: on the rollout's own thread")
 
     @model_validator(mode="before")
     @classmethod

@@ -109,7 +109,12 @@ def media_processor(config: RunConfig, path: Path) -> MediaProcessor | None:
 
     from rlx.media.processor import processor_for
 
-    return processor_for(AutoConfig.from_pretrained(path), config.data)
+    model_config = AutoConfig.from_pretrained(path)
+    if config.data.processor_workers:
+        from rlx.media.pool import MediaProcessorPool
+
+        return MediaProcessorPool(model_config, config.data, config.data.processor_workers)
+    return processor_for(model_config, config.data)
 
 
 def build_genrm(config: RunConfig) -> GenRM:

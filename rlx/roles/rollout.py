@@ -46,6 +46,18 @@ class Rollout:
                             "(set data.media_keys and use a model that takes media)")
         return self.processor(prompt_ids, row)
 
+    def prepare_all(self, items: list[tuple[PromptRow, list[int]]]) -> list[tuple[list[int], MediaInputs | None]]:
+        """`prepare` for each (row, prompt_ids), in order; the rows with media in parallel when the
+        processor is a pool (`data.processor_workers`)."""
+        parallel = getattr(self.processor, "map", None)
+        media_rows = [i for i, (row, _) in enumerate(items) if row.media]
+        if parallel is None or len(media_rows) < 2:
+            return [self.prepare(row, prompt_ids) for row, prompt_ids in items]
+        out: list[tuple[list[int], MediaInputs | None]] = [(prompt_ids, None) for _, prompt_ids in items]
+        for i, prepared in zip(media_rows, parallel([(items[i][1], items[i][0]) for i in media_rows])):
+            out[i] = prepared
+        return out
+
     def generate(
         self,
         groups: list[Group],
@@ -63,8 +75,8 @@ class Rollout:
 
         def requests_for(new_groups: list[Group]) -> list[GenerationRequest]:
             out = []
-            for group_id, row, prompt_ids in new_groups:
-                prompt_ids, media = self.prepare(row, prompt_ids)  # once per group: its samples share it
+            prepared = self.prepare_all([(row, prompt_ids) for _, row, prompt_ids in new_groups])
+            for (group_id, row, _), (prompt_ids, media) in zip(new_groups, prepared):  # once per group: shared
                 for _ in range(n):
                     uid = next(self._uids)
                     out.append(GenerationRequest(request_id=uid, prompt_ids=prompt_ids, media=media))

@@ -2,7 +2,7 @@
 JSONL dataset points to PNG, WAV and MP4 files; rlx's processor reads them (the video at 2 fps, the
 audio at 16 kHz), the engine and the trainer see the same media and positions (Qwen3-Omni's language
 model is a mixture of experts: its routes are replayed too), and the trained thinker exports to a
-folder transformers' Auto classes reload."""
+folder transformers' Auto classes reload. One run processes its media in a pool of processes."""
 
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ def test_a_qwen_omni_run_reads_images_audio_and_video_files_and_exports(family, 
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     data = {"source": "jsonl", "path": str(tmp_path / "rows.jsonl"), "eval_path": str(tmp_path / "rows.jsonl"),
             "eval_size": 4, "apply_chat_template": False,
-            "media_keys": {"image": "images", "audio": "audios", "video": "videos"}}
+            "media_keys": {"image": "images", "audio": "audios", "video": "videos"},
+            # Qwen3-Omni's media are processed in a pool of two processes, Qwen2.5-Omni's on the rollout's thread
+            "processor_workers": 2 if family == "qwen3_omni" else 0}
     config = build_config({
         "model": {"path": str(model_path)}, "data": data,
         "rollout": {"n": 4, "prompts_per_step": 2, "max_new_tokens": 4},
