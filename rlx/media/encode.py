@@ -8,15 +8,17 @@ projector) once per distinct object in the batch and scatters the features into 
 positions of every row that shares it, then calls the model with `inputs_embeds`: the same numbers
 as the model's own forward (tested), and gradients flow into a shared feature from every row.
 
-Other multimodal families (e.g. Qwen3-VL, whose deepstack features enter inside the decoder) take
-their media the model's own way, concatenated in row order.
+Qwen3-VL and the Qwen3-Omni thinker, whose deepstack features enter inside the decoder, take their
+vision outputs precomputed (`mm_encoder_outputs`): rlx runs their vision tower once per distinct
+object and hands the model every row's items (Qwen3-Omni's audio still goes in per row). Other
+multimodal families take their media the model's own way, concatenated in row order.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,15 +72,68 @@ def _audio_flamingo(model: PreTrainedModel, media: MediaInputs) -> dict[int, tor
 ENCODERS: dict[str, Encoder] = {"llava": _llava, "qwen2_vl": _qwen_vl, "qwen2_5_vl": _qwen_vl,
                                 "qwen2_5_omni_thinker": _qwen_omni, "audioflamingo3": _audio_flamingo}
 
+# one prompt's media inputs -> per kind ("image", "video") the vision tower's output for its items
+VisionEncoder = Callable[["PreTrainedModel", MediaInputs], dict[str, Any]]
+VISION_INPUTS = ("pixel_values", "pixel_values_videos")  # what a VisionEncoder consumes
+
+
+def _deepstack_vision(tower_owner: Callable[[PreTrainedModel], Any]) -> VisionEncoder:
+    """Qwen3-VL's and Qwen3-Omni's towers: features plus the deepstack features that enter inside the
+    decoder, both split per item; the model takes them whole as `mm_encoder_outputs`."""
+    def encode(model: PreTrainedModel, media: MediaInputs) -> dict[str, Any]:
+        owner, out = tower_owner(model), {}
+        if "pixel_values" in media:
+            out["image"] = owner.get_image_features(media["pixel_values"], media["image_grid_thw"], return_dict=True)
+        if "pixel_values_videos" in media:
+            out["video"] = owner.get_video_features(media["pixel_values_videos"], media["video_grid_thw"],
+                                                    return_dict=True)
+        return out
+    return encode
+
+
+# families whose forward takes precomputed vision outputs (`mm_encoder_outputs`); their other media
+# inputs (grids, audio) go to the forward as they are
+VISION_ENCODERS: dict[str, VisionEncoder] = {"qwen3_vl": _deepstack_vision(lambda model: model.model),
+                                             "qwen3_omni_moe_thinker": _deepstack_vision(lambda model: model)}
+
 
 def forward_inputs(model: PreTrainedModel, input_ids: torch.Tensor,
-                   rows: Sequence[MediaInputs | None]) -> dict[str, torch.Tensor]:
+                   rows: Sequence[MediaInputs | None]) -> dict[str, Any]:
     """The token and media keyword arguments of a forward over `input_ids` (on the model's device)
     whose rows carry `rows` (row order; rows of one group share one object)."""
-    encode = ENCODERS.get(getattr(model.config, "model_type", ""))
+    model_type = getattr(model.config, "model_type", "")
+    if model_type in VISION_ENCODERS and any(rows):
+        rest = {key for row in rows if row for key in row} - set(VISION_INPUTS)
+        return {"input_ids": input_ids, **concat_media(rows, input_ids.device, only=rest),
+                "mm_encoder_outputs": vision_outputs(model, rows, VISION_ENCODERS[model_type])}
+    encode = ENCODERS.get(model_type)
     if encode is None or not any(rows):
         return {"input_ids": input_ids, **concat_media(rows, input_ids.device)}
     return {"inputs_embeds": embed_with_media(model, input_ids, rows, encode)}
+
+
+def vision_outputs(model: PreTrainedModel, rows: Sequence[MediaInputs | None],
+                   encode: VisionEncoder) -> dict[str, Any]:
+    """Per kind, the vision tower's output for every item of the batch in row order, each distinct
+    media object encoded once (rows sharing it reuse its features: gradients flow back from each)."""
+    device = next(model.parameters()).device
+    encoded: dict[int, dict[str, Any]] = {}
+    per_kind: dict[str, list[Any]] = defaultdict(list)
+    for media in rows:
+        if not media:
+            continue
+        if id(media) not in encoded:
+            encoded[id(media)] = encode(model, {key: value.to(device) for key, value in media.items()})
+        for kind, output in encoded[id(media)].items():
+            per_kind[kind].append(output)
+    joined = {}
+    for kind, outputs in per_kind.items():
+        layers = len(outputs[0].deepstack_features)
+        joined[kind] = type(outputs[0])(
+            pooler_output=tuple(item for output in outputs for item in output.pooler_output),
+            deepstack_features=[tuple(item for output in outputs for item in output.deepstack_features[layer])
+                                for layer in range(layers)])
+    return joined
 
 
 def embed_with_media(model: PreTrainedModel, input_ids: torch.Tensor, rows: Sequence[MediaInputs | None],

@@ -1,6 +1,7 @@
 """Media encoded once per distinct media object: the same logits and gradients as the model's own
 forward (which encodes every row's media), with the encoder run once per object, for each family
-on the fast path (LLaVA, Qwen2-VL, Qwen2.5-VL, AudioFlamingo3)."""
+on the fast path (LLaVA, Qwen2-VL, Qwen2.5-VL, AudioFlamingo3; Qwen3-VL and Qwen3-Omni through
+precomputed vision outputs, deepstack features included)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from rlx.media.encode import forward_inputs
 from rlx.media.inputs import concat_media
 from rlx.media.positions import position_ids
 from rlx.models import load_pretrained
+from rlx.models.tiny_omni import tiny_omni_model
 from rlx.models.tiny_vl import tiny_vl_model
-from tests.integration import test_audio_model, test_qwen_vl_engine, test_vision_model
+from tests.integration import test_audio_model, test_qwen_omni_engine, test_qwen_vl_engine, test_vision_model
 
 
 def _llava(paths):
@@ -29,16 +31,25 @@ def _qwen(family):
     return build
 
 
+def _omni(family):
+    def build(_):
+        model = tiny_omni_model(family)
+        return model, test_qwen_omni_engine.requests_for(model, test_qwen_omni_engine.PROMPTS[:2]), 0
+    return build
+
+
 def _audio(paths):
     model, tokenizer = load_pretrained(paths["audio"])
     return model, test_audio_model._requests(model, tokenizer, test_audio_model.PROMPTS[:2]), tokenizer.pad_token_id
 
 
-@pytest.fixture(params=["llava", "qwen2_vl", "qwen2_5_vl", "audioflamingo3"])
+@pytest.fixture(params=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni",
+                        "audioflamingo3"])
 def family(request, tiny_vision_path, tiny_audio_path):
     torch.manual_seed(0)
     builders = {"llava": _llava, "qwen2_vl": _qwen("qwen2_vl"), "qwen2_5_vl": _qwen("qwen2_5_vl"),
-                "audioflamingo3": _audio}
+                "qwen3_vl": _qwen("qwen3_vl"), "qwen2_5_omni": _omni("qwen2_5_omni"),
+                "qwen3_omni": _omni("qwen3_omni"), "audioflamingo3": _audio}
     return builders[request.param]({"vision": tiny_vision_path, "audio": tiny_audio_path})
 
 
@@ -48,9 +59,10 @@ def test_one_encoding_per_shared_object_gives_the_models_own_logits_and_gradient
     rows = [first, first, first, second]
     batch = collate([r.prompt_ids for r in rows], [[5, 6, 7]] * 4, pad, media=[r.media for r in rows])
     calls = []
-    own_encoder = encode.ENCODERS[model.config.model_type]
-    monkeypatch.setitem(encode.ENCODERS, model.config.model_type,
-                        lambda m, media: (calls.append(1), own_encoder(m, media))[1])
+    model_type = model.config.model_type
+    registry = encode.VISION_ENCODERS if model_type in encode.VISION_ENCODERS else encode.ENCODERS
+    own_encoder = registry[model_type]
+    monkeypatch.setitem(registry, model_type, lambda m, media: (calls.append(1), own_encoder(m, media))[1])
     position = position_ids(model, batch.input_ids, batch.attention_mask, concat_media(batch.media))
     kwargs = {"attention_mask": batch.attention_mask, "use_cache": False}
     fast = model(position_ids=position, **kwargs, **forward_inputs(model, batch.input_ids, batch.media)).logits
