@@ -60,7 +60,7 @@ def policy_objective(
     entropy_mean = aggregate(entropy, mask, config.aggregation, global_tokens, global_sequences, config.loss_horizon)
     if config.entropy_coef > 0:
         loss = loss - config.entropy_coef * entropy_mean
-    token_share = lambda values: float((values * mask).sum()) / max(global_tokens, 1.0)  # noqa: E731
+    token_share = lambda values: float((values * mask).sum()) / max(global_tokens, 1.0)
     metrics.update(
         entropy=entropy_mean.item(),
         clip_fraction=token_share(clipped),

@@ -58,8 +58,8 @@ def run_algorithms_benchmark(work_dir: Path, steps: int, only: list[str] | None 
 
 
 def format_table(results: dict[str, dict]) -> str:
-    lines = ["| algorithm | settings | held-out accuracy before → after | gain | train reward first → last step "
-             "| wall time |", "|---|---|---|---|---|---|"]
+    lines = [("| algorithm | settings | held-out accuracy before → after | gain | train reward first → last step "
+             "| wall time |"), "|---|---|---|---|---|---|"]
     for name, r in results.items():
         settings = ", ".join(f"`{o}`" for o in ALGORITHMS[name])
         lines.append(f"| {name} | {settings} | {r['initial']:.3f} → {r['final']:.3f} | **{r['gain']:+.3f}** | "

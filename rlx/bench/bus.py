@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -37,7 +37,7 @@ def _rlx_workloads():
 
     def batch_round():
         rows = bus.put({"ids": batch}, group_ids=list(range(ROWS)), num_tokens=[TOKENS] * ROWS)
-        got, values = bus.get("consumer", ["ids"], ROWS, timeout=30)
+        _got, values = bus.get("consumer", ["ids"], ROWS, timeout=30)
         assert len(values["ids"]) == ROWS
         bus.clear(rows)
 
@@ -45,7 +45,7 @@ def _rlx_workloads():
         rows = [bus.put({"ids": [s]}, group_ids=[i], num_tokens=[384])[0] for i, s in enumerate(samples)]
         for i, row in enumerate(rows):
             bus.put_fields([row], {"reward": [float(i)]})
-        got, values = bus.get("trainer", ["ids", "reward"], ROWS, timeout=30)
+        _got, values = bus.get("trainer", ["ids", "reward"], ROWS, timeout=30)
         assert len(values["reward"]) == ROWS
         bus.clear(rows)
 

@@ -94,8 +94,8 @@ def run_engines_benchmark(prompts: int = 64, max_new_tokens: int = 128, engines:
 
 def format_table(rows: list[dict[str, float | str]]) -> str:
     base = rows[0]["tokens_per_s"]
-    lines = ["| engine | tokens/s | samples/s | vs hf | bound tokens/s | of bound | mean tokens | at cap | "
-             "start-up (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| engine | tokens/s | samples/s | vs hf | bound tokens/s | of bound | mean tokens | at cap | "
+             "start-up (s) |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         bound = r["tokens"] / r["bound_s"]
         lines.append(f"| {r['engine']} | {r['tokens_per_s']:.0f} | {r['samples_per_s']:.2f} | "

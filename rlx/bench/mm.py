@@ -80,7 +80,7 @@ def run_mm_benchmark(groups: int = 8, n: int = 8, repeats: int = 5) -> dict[str,
                   "processor_ms_per_sample_each": 1000 * per_group_s}
         for mode, shared in (("group", True), ("sample", False)):
             result[f"bus_mb_{mode}"] = approx_nbytes(media) * (groups if shared else groups * n) / 1e6
-            result[f"step_s_{mode}"] = _median_s(lambda: step(shared), repeats)
+            result[f"step_s_{mode}"] = _median_s(lambda shared=shared: step(shared), repeats)
         return result
     finally:
         stop_ray()
@@ -89,17 +89,17 @@ def run_mm_benchmark(groups: int = 8, n: int = 8, repeats: int = 5) -> dict[str,
 def format_table(r: dict[str, float]) -> str:
     groups, n = int(r["groups"]), int(r["n"])
     return "\n".join([
-        f"A step of {groups} prompt groups x {n} samples, one {IMAGE_SIDE}x{IMAGE_SIDE} image per prompt "
-        f"(Qwen2-VL pixel_values, {r['media_mb']:.1f} MB each), put on the Ray bus and taken by one trainer get:",
+        (f"A step of {groups} prompt groups x {n} samples, one {IMAGE_SIDE}x{IMAGE_SIDE} image per prompt "
+        f"(Qwen2-VL pixel_values, {r['media_mb']:.1f} MB each), put on the Ray bus and taken by one trainer get:"),
         "",
         "| media stored | MB put per step | put + get + clear per step (s) | processor per sample (ms) |",
         "|---|---|---|---|",
-        f"| once per group (`put_group`, rlx) | {r['bus_mb_group']:.0f} | {r['step_s_group']:.3f} | "
-        f"{r['processor_ms_per_sample_group']:.1f} |",
-        f"| once per sample (a row field) | {r['bus_mb_sample']:.0f} | {r['step_s_sample']:.3f} | "
-        f"{r['processor_ms_per_sample_each']:.1f} |",
+        (f"| once per group (`put_group`, rlx) | {r['bus_mb_group']:.0f} | {r['step_s_group']:.3f} | "
+        f"{r['processor_ms_per_sample_group']:.1f} |"),
+        (f"| once per sample (a row field) | {r['bus_mb_sample']:.0f} | {r['step_s_sample']:.3f} | "
+        f"{r['processor_ms_per_sample_each']:.1f} |"),
         "",
-        f"Per-group storage moves {r['bus_mb_sample'] / r['bus_mb_group']:.0f}x fewer bytes and takes "
+        (f"Per-group storage moves {r['bus_mb_sample'] / r['bus_mb_group']:.0f}x fewer bytes and takes "
         f"{r['step_s_sample'] / r['step_s_group']:.1f}x less time per step; processing once per group costs "
-        f"1/{n} of processing each sample. Medians of the repeats, measured in one run.",
+        f"1/{n} of processing each sample. Medians of the repeats, measured in one run."),
     ])

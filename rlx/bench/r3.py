@@ -106,8 +106,8 @@ def run_r3_benchmark(work_dir: Path, repeats: int = 80, prompts: int = 2, n: int
 def format_table(result: dict[str, float | str]) -> str:
     r = result
     return "\n".join([
-        f"{r['model']}: bf16 `hf` engine (routes recorded) -> fp32 Actor, one fixed batch of {r['samples']} samples "
-        f"({r['tokens']} tokens), {r['repeats']} interleaved rounds of one step each way.",
+        (f"{r['model']}: bf16 `hf` engine (routes recorded) -> fp32 Actor, one fixed batch of {r['samples']} samples "
+        f"({r['tokens']} tokens), {r['repeats']} interleaved rounds of one step each way."),
         "",
         "| | without replay | with R3 |",
         "|---|---|---|",
@@ -115,10 +115,10 @@ def format_table(result: dict[str, float | str]) -> str:
         f"| median CPU time per step (this process, all threads) | {r['cpu_s_off']:.2f} s | {r['cpu_s_r3']:.2f} s |",
         f"| mean \\|rollout - trainer log-prob\\| | {r['logprob_gap_off']:.4f} | {r['logprob_gap_r3']:.4f} |",
         "",
-        f"Overhead of R3: **{100 * r['overhead']:+.1f}%** per step (median of per-round ratios; 95% bootstrap "
+        (f"Overhead of R3: **{100 * r['overhead']:+.1f}%** per step (median of per-round ratios; 95% bootstrap "
         f"interval {100 * r['overhead_low']:+.1f}% to {100 * r['overhead_high']:+.1f}%); in CPU time "
         f"**{100 * r['cpu_overhead']:+.1f}%** ({100 * r['cpu_overhead_low']:+.1f}% to "
         f"{100 * r['cpu_overhead_high']:+.1f}%). Routes where the trainer's "
         f"own router would have chosen other experts than the engine: {100 * r['route_mismatch_fraction']:.2f}% of "
-        "(position, layer) pairs.",
+        "(position, layer) pairs."),
     ])

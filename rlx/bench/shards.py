@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import random
-from pathlib import Path
 
 from rlx.data.sample import Sample
 
@@ -65,13 +64,13 @@ def format_table(result: dict[int, list[dict[str, int]]], model: str = MODEL) ->
     tensors = sum(one[p] for p in PARTS), max(sum(r[p] for p in PARTS) for r in two)
     rest = one["rss"] - tensors[0], max(r["rss"] - sum(r[p] for p in PARTS) for r in two)
     return "\n".join([
-        f"{model}: the Actor's FSDP2 engine on 1 and on 2 CPU ranks (gloo), after one optimizer step on the "
-        "same 8 samples (72 tokens each). Tensor bytes are the rank's own shards; RSS is the rank process's.", "",
+        (f"{model}: the Actor's FSDP2 engine on 1 and on 2 CPU ranks (gloo), after one optimizer step on the "
+        "same 8 samples (72 tokens each). Tensor bytes are the rank's own shards; RSS is the rank process's."), "",
         *rows, "",
-        f"Parameters, gradients and AdamW state per rank: {tensors[1] / 2**20:.0f} MiB on 2 ranks against "
+        (f"Parameters, gradients and AdamW state per rank: {tensors[1] / 2**20:.0f} MiB on 2 ranks against "
         f"{tensors[0] / 2**20:.0f} MiB on 1 (**{tensors[1] / tensors[0]:.2f}x**). Beside them a rank process holds "
         f"{rest[1] / 2**20:.0f} MiB on 2 ranks and {rest[0] / 2**20:.0f} MiB on 1 (Python, torch, transformers, "
         "the whole model each rank loads before sharding it, communication buffers, allocator caches), which "
         "sharding does not divide: on a 135M model it is as large as the shards, so RSS falls far less than the "
-        "tensors; on a 7B policy (112 GB of fp32 weights, gradients and AdamW state) the tensors dominate.",
+        "tensors; on a 7B policy (112 GB of fp32 weights, gradients and AdamW state) the tensors dominate."),
     ])

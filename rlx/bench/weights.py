@@ -130,11 +130,11 @@ def run_weights_benchmark(repeats: int = 3, channels: tuple[str, ...] = ("object
 
 
 def format_table(result: dict) -> str:
-    lines = [f"SmolLM2-135M fp32, {result['size_mb']:.0f} MB (tied embeddings sent once); one in-memory copy: "
+    lines = [(f"SmolLM2-135M fp32, {result['size_mb']:.0f} MB (tied embeddings sent once); one in-memory copy: "
              f"{result['memcpy_s'] * 1000:.0f} ms. Median of {result['repeats']} versions after {WARMUP} unmeasured "
-             "ones; `first` is the first of those (fresh object-store pages).", "",
-             "| channel | subscribers | publish-to-loaded (ms) | x memcpy | put (ms) | broadcast (ms) | "
-             "all acks at the coordinator (ms) | first (ms) |",
+             "ones; `first` is the first of those (fresh object-store pages)."), "",
+             ("| channel | subscribers | publish-to-loaded (ms) | x memcpy | put (ms) | broadcast (ms) | "
+             "all acks at the coordinator (ms) | first (ms) |"),
              "|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['channel']} | {row['subscribers']} | {row['total_s'] * 1000:.0f} | "

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from rlx.bus.samplers import SamplerSpec
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rlx.bus.core import BusFull, BusIndex, BusTimeout
 from rlx.bus.samplers import SamplerSpec, make_sampler

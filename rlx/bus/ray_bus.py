@@ -87,7 +87,7 @@ class BusActor:
                     raise BusTimeout(describe())
                 try:
                     await asyncio.wait_for(self.changed.wait(), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
 
     async def _notify(self) -> None:
@@ -141,7 +141,7 @@ class BusActor:
                     self.index.add_group_fields(args[0], self._store_one(args[1]), args[2])
                 else:
                     self.index.clear(*args)
-            except Exception as exc:  # handed to the client, which raises it
+            except Exception as exc:  # noqa: BLE001 - handed to the client, which raises it
                 failures.append(exc)
         await self._notify()
         return failures
@@ -246,7 +246,7 @@ class Bus:
                 writes, self._queued, self._sending = self._queued, [], True
             try:
                 failures = self.actor.apply.remote(writes).future().result()
-            except Exception as exc:  # the bus itself is gone
+            except Exception as exc:  # noqa: BLE001 - the bus itself is gone
                 failures = [exc]
             with self._changed:
                 self._failures.extend(failures)

@@ -36,7 +36,7 @@ class Alerts:
             event, apprise.NotifyType.SUCCESS)
         try:
             delivered = self.apprise.notify(title=f"rlx {self.run_name}: {event}", body=body, notify_type=kind)
-        except Exception as exc:  # a broken notifier must not break training
+        except Exception as exc:  # noqa: BLE001 - a broken notifier must not break training
             log.warning("alert %s could not be sent: %s", event, exc)
             return
         if not delivered:

@@ -164,7 +164,9 @@ def load_policy(config: RunConfig, path: Path, dtype: str):
     routes that batches carry, with a load-balancing loss they keep what it needs. Under bf16
     autocast on CPU every trainer-side copy takes the same attention kernel, so ActorFwd's
     log-probs stay the Actor's own."""
-    from rlx.engines.attention import use_cpu_attention  # imports transformers: services without a model skip it
+    from rlx.engines.attention import (
+        use_cpu_attention,  # imports transformers: services without a model skip it
+    )
 
     model, tokenizer = load_pretrained(path, dtype, config.resources.device)
     if config.train.bf16_autocast:

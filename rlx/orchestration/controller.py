@@ -183,7 +183,7 @@ class Controller:
         for role in reversed(list(self.handles)):
             try:
                 self.call_service(role, "stop")
-            except Exception as exc:  # a dead replica cannot stop; shutting Serve down removes it anyway
+            except Exception as exc:  # noqa: BLE001 - a dead replica cannot stop; shutting Serve down removes it anyway
                 self.echo(f"stopping {role}: {type(exc).__name__}: {exc}")
         if ray.is_initialized():
             if self.started_ray:

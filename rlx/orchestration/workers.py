@@ -149,7 +149,7 @@ class Worker(abc.ABC):
                     while self.hung and not self._stop.is_set():
                         time.sleep(0.2)
                     self.work_once()
-            except Exception as exc:  # surfaced through status() and the service health check
+            except Exception as exc:  # noqa: BLE001 - surfaced through status() and the service health check
                 self.error = f"{type(exc).__name__}: {exc}"
 
         self._thread = threading.Thread(target=loop, name=f"rlx-{self.name}", daemon=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rlx.registry import Registry
 from rlx.rewards.extract import extract_answer, extract_choice
@@ -14,7 +15,7 @@ RewardFn = Callable[[str, str, dict[str, Any]], float]
 REWARDS: Registry[Callable[[str], RewardFn]] = Registry("reward")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gym_scorer(task: str):
     import reasoning_gym
 

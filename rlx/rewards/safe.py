@@ -16,8 +16,9 @@ import logging
 import math
 import numbers
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rlx.rewards.pool import PooledReward, RewardFailure, RewardPool
 
@@ -79,7 +80,7 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float | No
             if inspect.isawaitable(value):
                 value = asyncio.run_coroutine_threadsafe(asyncio.wait_for(value, timeout_s), _event_loop()).result()
             box["value"] = value
-        except BaseException as exc:  # handed to the caller's thread below
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
             box["error"] = exc
 
     thread = threading.Thread(target=invoke, name="rlx-reward-call", daemon=True)
@@ -116,7 +117,7 @@ def score_safely(fn: Callable[..., Any], completion: str, label: str, metadata: 
     """One response: fn(completion, label, metadata) -> a finite number."""
     try:
         value = _invoke(fn, (completion, label, metadata), timeout_s, pool)
-    except Exception as exc:  # a user reward may raise anything; the sample fails, the run goes on
+    except Exception as exc:  # noqa: BLE001 - a user reward may raise anything; the sample fails, the run goes on
         return _failure(exc)
     outcome = check_score(value)
     if outcome.failed:
@@ -129,7 +130,7 @@ def score_group_safely(fn: Callable[..., Any], completions: list[str], label: st
     """A whole group: fn(completions, label, metadata) -> one finite number per completion."""
     try:
         values = _invoke(fn, (completions, label, metadata), timeout_s, pool)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a user reward may raise anything; the group fails, the run goes on
         return [_failure(exc)] * len(completions)
     if not isinstance(values, (list, tuple)) or len(values) != len(completions):
         error = f"group reward returned {_shown(values)}; expected a list of {len(completions)} numbers"

@@ -57,8 +57,8 @@ def plan_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list
     buckets: list[Bucket] = []
     current: Bucket = []
     size = 0
-    for name in aliases:
-        spec = _spec(name, state_dict[name], tuple(aliases[name]))
+    for name, names in aliases.items():
+        spec = _spec(name, state_dict[name], tuple(names))
         if current and size + spec.nbytes > bucket_bytes:
             buckets.append(current)
             current, size = [], 0

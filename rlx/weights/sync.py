@@ -237,7 +237,7 @@ class WeightPublisher:
                     result = self.sync.ask("publish", version, layout, refs, None, False, stop=self._closed)
                     self._incarnation = result["incarnation"]
                     log.warning("the weight coordinator was replaced: handed it version %d again", version)
-            except Exception as error:  # keep watching: the coordinator may be on its way back
+            except Exception as error:  # noqa: BLE001 - keep watching: the coordinator may be on its way back
                 if not self._closed.is_set():
                     log.warning("weight publisher: %s", error)
 
@@ -277,7 +277,7 @@ class WeightPublisher:
             broadcast_started = time.monotonic()
             try:
                 self._broadcast(flats, result["epoch"], len(result["ranks"]) + 1)
-            except Exception as error:  # a dead or slow subscriber: it loads from the object store instead
+            except Exception as error:  # noqa: BLE001 - a dead or slow subscriber: it loads from the object store instead
                 log.warning("weight broadcast of version %d failed (%s); subscribers fall back to the object store",
                             version, error)
                 self._group = None
@@ -354,7 +354,7 @@ class WeightSubscriber:
             self._thread.join(timeout=self.poll_s + 10)
         try:
             self.sync.tell("unregister", self.name)
-        except Exception as error:  # the cluster may be going down with us; the coordinator then goes too
+        except Exception as error:  # noqa: BLE001 - the cluster may be going down with us; the coordinator then goes too
             log.debug("weight subscriber %s could not unregister: %s", self.name, error)
 
     def _receive_forever(self) -> None:
@@ -375,7 +375,7 @@ class WeightSubscriber:
                 received = record["position"]
             except SystemExit:  # Ray shut down under this thread (the process is ending)
                 return
-            except Exception as error:  # keep receiving: the next version may well arrive
+            except Exception as error:  # noqa: BLE001 - keep receiving: the next version may well arrive
                 if not self._stop.is_set():
                     log.warning("weight subscriber %s: %s", self.name, error)
                     time.sleep(1.0)
@@ -393,7 +393,7 @@ class WeightSubscriber:
                 state.update(unpack_flat(group.broadcast(buffer).cpu(), bucket))
             self.received_by_broadcast += 1
             return state
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - any broadcast failure: the object store still has the version
             log.warning("weight subscriber %s missed the broadcast of version %d (%s); loading it from the object "
                         "store", self.name, record["version"], error)
             self._group = None

@@ -3,6 +3,8 @@ the engine's log-probs, and observations never reach the loss."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -134,7 +136,7 @@ def test_tools_of_different_trajectories_run_while_other_turns_decode(tiny):
     samples = _play(_rollout(tiny, environment="SlowTool", options={"rounds": 2, "seconds": 0.3}), tiny[1])
     assert len(samples) == 6 and any(s.agent_stats["turns"] == 3 for s in samples)
     calls = sorted(SlowTool.calls)
-    assert any(a_start < b_start < a_end for (a_start, a_end), (b_start, _) in zip(calls, calls[1:]))
+    assert any(a_start < b_start < a_end for (a_start, a_end), (b_start, _) in itertools.pairwise(calls))
 
 
 def test_held_out_evaluation_plays_whole_trajectories(tiny):

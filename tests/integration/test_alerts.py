@@ -19,7 +19,7 @@ def webhook():
     received: list[dict] = []
 
     class Hook(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (the stdlib's name)
+        def do_POST(self):
             received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
             self.send_response(200)
             self.end_headers()

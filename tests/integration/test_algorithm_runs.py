@@ -75,7 +75,7 @@ def test_dynamic_sampling_refills_dropped_groups(tiny_path, tmp_path):
 def sharp_teacher(tmp_path_factory):
     """A larger tiny model (128 wide) with a sharpened output distribution: far from the student."""
     path = build_tiny(tmp_path_factory.mktemp("teacher") / "teacher", hidden=128, layers=2, heads=4, seed=7)
-    model, tokenizer = load_pretrained(path)
+    model, _tokenizer = load_pretrained(path)
     with torch.no_grad():
         model.model.norm.weight.mul_(8.0)
     model.save_pretrained(path)

@@ -9,8 +9,8 @@ from tests.integration.test_colocate_loop import toy_config
 
 
 def test_the_critic_lives_inside_the_actors_checkpoint_and_resumes(tiny_path, tmp_path):
-    small = dict(algorithm__advantage="gae", rollout__n=2, rollout__prompts_per_step=2, rollout__max_new_tokens=4,
-                 data__eval_size=2)
+    small = {"algorithm__advantage": "gae", "rollout__n": 2, "rollout__prompts_per_step": 2, "rollout__max_new_tokens": 4,
+                 "data__eval_size": 2}
     run_colocate(toy_config(tiny_path, tmp_path, train__steps=1, **small), echo=lambda _: None)
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000001"
     assert (checkpoint / MARKER).exists() and (checkpoint / "critic" / "optimizer.pt").exists()

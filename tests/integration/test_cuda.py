@@ -8,6 +8,8 @@ rank needs a second GPU (NCCL refuses two ranks on one device).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -106,7 +108,7 @@ def test_a_trajectory_waiting_on_a_tool_frees_its_slot_and_resumes_bf16(tiny_pat
     # a step is called when a policy turn finished decoding: one starting while another tool runs
     # means that turn decoded while the other trajectory waited, out of the batch
     calls = sorted(SlowTool.calls)
-    assert any(a_start < b_start < a_end for (a_start, a_end), (b_start, _) in zip(calls, calls[1:]))
+    assert any(a_start < b_start < a_end for (a_start, a_end), (b_start, _) in itertools.pairwise(calls))
     with torch.no_grad():
         trained, _ = token_logprobs(model, samples_to_batch(samples, tokenizer.pad_token_id), 1.0)
     for row, sample in enumerate(samples):

@@ -83,7 +83,7 @@ def test_replay_makes_the_trainer_route_as_a_bf16_engine_did(moe_path, one_threa
     for row, sample in enumerate(samples):
         rollout[row, : len(sample.rollout_logprobs)] = torch.tensor(sample.rollout_logprobs)
     mask = batch.response_mask
-    gap = lambda logprobs: float(((logprobs - rollout).abs() * mask).sum() / mask.sum())  # noqa: E731
+    gap = lambda logprobs: float(((logprobs - rollout).abs() * mask).sum() / mask.sum())
     print(f"bf16 engine vs fp32 trainer: routes differing {differing}/{compared}, "
           f"|dlogp| replayed {gap(replayed):.5f} free {gap(free):.5f}")
     assert differing > 0, "no route differed: the test would not show replay doing anything"

@@ -214,7 +214,7 @@ def test_the_group_publishes_bucket_by_bucket_what_one_process_would(ray_cluster
     group = build_actor(config_for(tiny_path, tmp_path, 2), tiny_path)
     try:
         train_one_step(group, samples, 3)
-        layout, refs = group.weight_buckets(bucket_bytes)
+        layout, _refs = group.weight_buckets(bucket_bytes)
         assert layout == plan_buckets(single.weights(), bucket_bytes) and len(layout) > 2
         sync = WeightSync.create(channel, bucket_mb=bucket_bytes / 2**20, timeout_s=20)
         publisher = sync.publisher()

@@ -103,7 +103,7 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
 def parse_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
+        raise ValueError(f"{name!r} is not a torch dtype")  # noqa: TRY004 - a wrong name, not a wrong type
     return dtype
 
 

@@ -255,8 +255,8 @@ def drive(run_dir: Path, seen: dict) -> None:
     token_file = run_dir / "api_token"
     seen["token_mode"] = stat.S_IMODE(token_file.stat().st_mode)
     auth = {"Authorization": f"Bearer {token_file.read_text()}"}
-    status = lambda: requests.get(f"{url}/v1/status", headers=auth, timeout=30).json()  # noqa: E731
-    engines = lambda: requests.get(f"{url}/v1/rollout/engines", headers=auth, timeout=30).json()  # noqa: E731
+    status = lambda: requests.get(f"{url}/v1/status", headers=auth, timeout=30).json()
+    engines = lambda: requests.get(f"{url}/v1/rollout/engines", headers=auth, timeout=30).json()
     wait_for(lambda: status()["step"] >= 2)
 
     seen["no_token"] = requests.post(f"{url}/v1/rollout/scale", json={"replicas": 2}, timeout=30).status_code
@@ -287,7 +287,7 @@ def test_api_scales_rollout_and_guards_every_mutation(tiny_path, tmp_path):
     def driver():
         try:
             drive(run_dir, seen)
-        except BaseException as exc:  # surfaced below; the run still has to be stopped
+        except BaseException as exc:  # noqa: BLE001 - surfaced below; the run still has to be stopped
             errors.append(exc)
             url = wait_for(lambda: json.loads((run_dir / "api.json").read_text())["url"])
             token = (run_dir / "api_token").read_text()
@@ -308,6 +308,6 @@ def test_api_scales_rollout_and_guards_every_mutation(tiny_path, tmp_path):
     steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
     assert len(steps) >= 5
     assert steps[-1]["total_samples_duplicated"] == 0  # scale-in and scale-out lost and repeated nothing
-    rate = lambda a, b: (b - a) * 16 / (steps[b - 1]["wall_time_s"] - steps[a - 1]["wall_time_s"])  # noqa: E731
+    rate = lambda a, b: (b - a) * 16 / (steps[b - 1]["wall_time_s"] - steps[a - 1]["wall_time_s"])
     print(f"samples/s with 1 replica: {rate(1, seen['step_at_2']):.2f}; "
           f"with 2: {rate(seen['step_at_2'], seen['step_at_1']):.2f}")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from rlx.models.tiny import build_tiny
 from rlx.obs.metrics import read_metrics
 from rlx.orchestration.async_run import run_async
 from rlx.orchestration.colocate import run_colocate
 from rlx.orchestration.run_dir import latest_checkpoint
 from rlx.run_state import load_run_state
-from rlx.models.tiny import build_tiny
 from tests.integration.test_colocate_loop import toy_config
 
 

@@ -24,7 +24,7 @@ def smollm2():
 def test_smollm2_answers_chain_sum_and_logprobs_agree(smollm2):
     model, tokenizer = smollm2
     assert model.config.model_type == "llama" and model.num_parameters() > 100_000_000
-    train, held_out = gym_splits("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    _train, held_out = gym_splits("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
                                  50, 16, seed=0)
     engine = HFGenerationEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer), tokenizer)
     requests = [GenerationRequest(i, encode_prompt(row, tokenizer, None, True, 256)) for i, row in enumerate(held_out)]

@@ -119,7 +119,7 @@ def test_a_server_added_by_url_serves_the_current_weights_and_its_death_requeues
     def driver() -> None:
         try:
             drive(run_dir, server_url, server, seen)
-        except BaseException as exc:  # surfaced below; the run still has to be stopped
+        except BaseException as exc:  # noqa: BLE001 - surfaced below; the run still has to be stopped
             errors.append(exc)
             api = json.loads((run_dir / "api.json").read_text())["url"]
             requests.post(f"{api}/v1/stop", headers={"Authorization": f"Bearer {(run_dir / 'api_token').read_text()}"},

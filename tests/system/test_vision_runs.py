@@ -10,9 +10,8 @@ import pytest
 from safetensors.torch import load_file
 
 from rlx.cli import main
-from rlx.models import load_pretrained
-
 from rlx.config import build_config
+from rlx.models import load_pretrained
 from rlx.models.vision import VISION_PARAMETERS
 from rlx.obs.metrics import read_metrics
 from rlx.orchestration.async_run import run_async

@@ -326,8 +326,8 @@ def test_precision_keys_and_warnings():
     config = build_config({"train": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}})
     assert config.train.bf16_autocast and not TrainConfig().bf16_autocast
     assert config_warnings(config) == [
-        "train.reduce_dtype=bfloat16 has no effect: the trainer is one process (resources.actor.ranks=1) "
-        "and accumulates gradients in float32"]
+        ("train.reduce_dtype=bfloat16 has no effect: the trainer is one process (resources.actor.ranks=1) "
+        "and accumulates gradients in float32")]
     assert config_warnings(RunConfig()) == []
     stale = build_config({"train": {"mode": "async", "max_staleness": 3}, "algorithm": {"behavior_correction": "none"}})
     assert "algorithm.behavior_correction=none with train.max_staleness=3" in config_warnings(stale)[0]

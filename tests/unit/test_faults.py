@@ -24,7 +24,7 @@ def test_driver_fires_each_fault_once_its_step_is_reached():
     faults = faults_of({"role": "reward", "at_step": 2}, {"role": "dcs", "at_step": 1, "kind": "hang"},
                        {"role": "actor", "at_step": 1})
     calls, injected = [], []
-    fire = lambda step: faults.fire_due(step, lambda *a: calls.append(a), lambda kind: calls.append(("dcs", kind)),  # noqa: E731
+    fire = lambda step: faults.fire_due(step, lambda *a: calls.append(a), lambda kind: calls.append(("dcs", kind)),
                                         injected.append, echo=lambda _: None)
     fire(1)
     assert calls == [("dcs", "hang")] and injected == ["dcs"]

@@ -92,7 +92,7 @@ def test_a_role_with_another_replica_up_is_never_down():
 
 
 def test_stateful_roles_and_restart_limits_stop_the_run_with_a_reason():
-    bus, beats, _, health = setup()
+    _bus, beats, _, health = setup()
     beats.beat("advantages", "adv-a", {})
     beats.beat("advantages", "adv-b", {})
     health.observe()
@@ -101,7 +101,7 @@ def test_stateful_roles_and_restart_limits_stop_the_run_with_a_reason():
     go_silent(beats, "adv-b")
     with pytest.raises(RoleFailed, match="max_restarts_per_role=1"):
         health.observe()
-    bus, beats, _, health = setup()
+    _bus, beats, _, health = setup()
     beats.beat("actor", "actor-a", {})
     health.observe()
     go_silent(beats, "actor-a")
@@ -110,7 +110,7 @@ def test_stateful_roles_and_restart_limits_stop_the_run_with_a_reason():
 
 
 def test_a_replica_that_said_goodbye_is_not_a_failure():
-    bus, beats, _, health = setup()
+    _bus, beats, _, health = setup()
     beats.beat("rollout", "rollout-a", {"stopped": True, "failure": None})
     assert health.observe() == [] and health.recoveries == []
     assert beats.snapshot() == {}

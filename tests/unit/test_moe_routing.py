@@ -7,7 +7,14 @@ import torch
 
 from rlx.engines.training.batch import collate
 from rlx.model_kinds import is_moe_config, is_moe_model
-from rlx.models.moe import NOT_RECORDED, ROUTE_DTYPE, MoeRouting, load_balancing_loss, routing_of, stack_captured
+from rlx.models.moe import (
+    NOT_RECORDED,
+    ROUTE_DTYPE,
+    MoeRouting,
+    load_balancing_loss,
+    routing_of,
+    stack_captured,
+)
 from rlx.models.tiny import MOE_FAMILIES, build_tiny, tiny_model, tiny_moe_model
 
 VOCAB = 50
@@ -68,7 +75,7 @@ def test_unrecorded_positions_are_routed_by_the_model():
     model = tiny_moe_model("qwen3_moe", VOCAB)
     routing = MoeRouting.of(model)
     ids = _ids(batch=1)
-    free_logits, own = _captured(model, ids)
+    _free_logits, own = _captured(model, ids)
     recorded = _random_routes(routing, *ids.shape)
     recorded[:, 5:] = NOT_RECORDED
     routing.replay(recorded)

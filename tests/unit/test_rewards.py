@@ -141,7 +141,7 @@ def test_math_verify():
 
 @pytest.fixture(scope="module")
 def chain_sum_rows():
-    params = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2)
+    params = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
     train, _ = gym_splits("chain_sum", params, train_size=3, eval_size=0, seed=0)
     return train
 

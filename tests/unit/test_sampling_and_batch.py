@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -309,7 +310,7 @@ def test_linear():
 def test_schedules_are_monotone_after_warmup():
     for schedule in ("cosine", "linear"):
         values = [lr_multiplier(s, 3, 20, schedule) for s in range(3, 21)]
-        assert all(a >= b for a, b in zip(values, values[1:]))
+        assert all(a >= b for a, b in itertools.pairwise(values))
         assert all(0.0 <= v <= 1.0 for v in values)
 
 
