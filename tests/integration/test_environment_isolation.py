@@ -1,6 +1,6 @@
 """User environments run in killable processes of their own (rollout.agent.isolate_environment, on
 by default): one that holds the GIL for ever, ends the interpreter or returns what cannot be sent
-back ends only its own trajectory, within rollout.agent.environment_timeout_s, and its process is
+back ends only its own trajectory (each of 3 here), within rollout.agent.environment_timeout_s, and its process is
 replaced; a well-behaved one plays exactly as it does in-process."""
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ def test_an_isolated_environment_plays_as_it_does_in_process(tiny):
 ])
 def test_a_misbehaving_environment_ends_only_its_own_trajectories(tiny, environment, error, caplog):
     _, tokenizer = tiny
-    factory = IsolatedEnvironments(f"{ENVS}:{environment}", {}, TIMEOUT_S, 6)
+    factory = IsolatedEnvironments(f"{ENVS}:{environment}", {}, TIMEOUT_S, 3)
     started = time.monotonic()
-    samples = _play(_rollout(tiny, factory), tokenizer)
-    assert len(samples) == 6  # every trajectory came back: the rollout went on
+    samples = _play(_rollout(tiny, factory), tokenizer, n=1)
+    assert len(samples) == 3  # every trajectory came back: the rollout went on
     failed = [s for s in samples if s.finish_reason == "env_error"]
     assert failed and {s.finish_reason for s in samples} <= {"env_error", "length"}
     assert all(error in s.metadata["env_error"] and environment in s.metadata["env_error"] for s in failed)
@@ -104,12 +104,12 @@ def test_a_reset_that_hangs_yields_samples_that_carry_the_failure(tiny):
     """The episode cannot start: its sample has the prompt, no response and the reason, which
     reward.name=environment turns into a failed reward (counted, never trained on)."""
     _, tokenizer = tiny
-    factory = IsolatedEnvironments(f"{ENVS}:HangsOnReset", {}, TIMEOUT_S, 6)
+    factory = IsolatedEnvironments(f"{ENVS}:HangsOnReset", {}, TIMEOUT_S, 3)
     try:
-        samples = _play(_rollout(tiny, factory), tokenizer)
+        samples = _play(_rollout(tiny, factory), tokenizer, n=1)
     finally:
         factory.close()
-    assert len(samples) == 6 and {s.finish_reason for s in samples} == {"env_error"}
+    assert len(samples) == 3 and {s.finish_reason for s in samples} == {"env_error"}
     assert all(s.response_ids == [] and s.prompt_ids for s in samples)
     assert all("HangsOnReset reset: " in s.metadata["env_error"] and "environment_timeout_s" in s.metadata["env_error"]
                for s in samples)

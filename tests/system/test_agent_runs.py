@@ -11,7 +11,8 @@ from rlx.orchestration.colocate import run_colocate
 from tests.integration.test_colocate_loop import toy_config
 
 AGENT = {"environment": "tests.integration.agent_envs:ScriptedTool", "environment_options": {"rounds": 1},
-         "max_turns": 3, "max_trajectory_tokens": 40}
+         "max_turns": 3, "max_trajectory_tokens": 40,
+         "concurrency": 4}  # each trajectory in flight holds an environment process: few, on 2 cores
 
 
 def _agent_config(tiny_path, tmp_path, **overrides):
