@@ -238,6 +238,9 @@ class AgentConfig(Section):
                                       "trajectory's thread in the rollout process (starts faster, cannot be killed)")
     environment_timeout_s: float = Field(60.0, gt=0.0, description="an isolated environment's reset or step "
                                          "running longer is killed with its process: the trajectory ends (env_error)")
+    environment_processes: int | None = Field(None, ge=1, description="isolated environment processes per rollout "
+                                              "replica (about 150 MB each), one per episode in progress; more "
+                                              "trajectories wait for one to start (default: concurrency)")
     tools: list[ToolConfig] = Field(default_factory=list, description="the tools environment's tools")
     parser: str = Field("hermes", description="tool-call parser: hermes (<tool_call>{json}</tool_call>) or "
                         "module:function")

@@ -42,7 +42,7 @@ def environment_factory(config: RunConfig, toolbox: ToolBox | None) -> Environme
         from rlx.agents.isolated import IsolatedEnvironments
 
         return IsolatedEnvironments(agent.environment, agent.environment_options, agent.environment_timeout_s,
-                                    rollout_concurrency(config))
+                                    agent.environment_processes or rollout_concurrency(config))
     if agent.environment not in ENVIRONMENTS:
         raise ConfigError(f"rollout.agent.environment={agent.environment!r} is unknown; use one of "
                           f"{ENVIRONMENTS.names()} or package.module:Name")

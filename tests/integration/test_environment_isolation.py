@@ -88,7 +88,12 @@ def test_a_user_environment_is_isolated_by_default(tmp_path):
 
     agent = {"environment": f"{ENVS}:ScriptedTool", "environment_options": {"rounds": 1}}
     config = build_config({"rollout": {"agent": agent}, "reward": {"name": "environment"}})
-    env = environment_factory(config, None)()
+    factory = environment_factory(config, None)
+    assert factory.pool.max_workers == config.rollout.max_batch_size  # one process per trajectory in flight
+    capped = {**agent, "environment_processes": 2}
+    assert environment_factory(build_config({"rollout": {"agent": capped}, "reward": {"name": "environment"}}),
+                               None).pool.max_workers == 2
+    env = factory()
     try:
         assert isinstance(env, IsolatedEnvironment)
         assert env.reset(PromptRow("2+2=", "4")) == [{"role": "user", "content": "2+2="}]
