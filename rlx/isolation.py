@@ -10,6 +10,7 @@ self_destruct_s), a reply ("ok", value) or ("error", message).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -101,12 +102,16 @@ class ChildProcess:
             self.ready = True
 
     def _reap(self) -> int | None:
+        """Wait for the child to end (a little), then end what it started: its process group."""
         self.conn.close()
         try:
-            return self.proc.wait(STOP_TIMEOUT_S)
+            code = self.proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.kill()
             return None
+        with contextlib.suppress(ProcessLookupError):  # nothing of its group is left
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return code
 
     def kill(self) -> None:
         """The child and whatever it started (user code that runs a program): its whole process group."""

@@ -129,12 +129,19 @@ def feedback_environment(score: Callable[[str, str, dict[str, Any]], float], sys
     return lambda: FeedbackEnvironment(score, system_prompt, **retry)
 
 
-def user_environment(path: str, options: dict[str, Any]) -> EnvironmentFactory:
+def environment_class(path: str) -> type[Environment]:
+    """The user environment class `package.module:Name`, imported (nothing of it is built)."""
     from rlx.rewards import load_custom_reward
 
     cls = load_custom_reward(path, "rollout.agent.environment")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ConfigError(f"rollout.agent.environment={path!r} must be a subclass of rlx.agents.Environment")
+    return cls
+
+
+def user_environment(path: str, options: dict[str, Any]) -> EnvironmentFactory:
+    """Instances of a user environment class in this process, its options checked by building one now."""
+    cls = environment_class(path)
     try:
         cls(**options).close()  # fails now, naming the options, rather than in the middle of a run
     except TypeError as exc:

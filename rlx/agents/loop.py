@@ -104,20 +104,30 @@ class AgentRollout(ConcurrentRollout):
         self.template_check = check_template(self.chat)  # reported at start-up; see rlx.agents.chat
 
     def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
-        env = self.environments()
+        try:
+            env = self.environments()
+        except Exception as error:  # noqa: BLE001 - user environment code (or its process); the sample carries it
+            return self._not_started(row, "start", error)
         try:
             return self._play(env, loop, row, params)
         finally:
             env.close()
 
+    def _not_started(self, row: PromptRow, stage: str, error: Exception) -> Trajectory:
+        """The sample of an episode whose environment could not start: the row's prompt, no response,
+        the reason; at the engine's current version, so it counts as on time."""
+        log.warning("environment %s failed: %s: %s", stage, type(error).__name__, error)
+        version = self.engine.weight_version
+        trajectory = Trajectory(self.chat.prompt_ids(opening_messages(row, None, ())), finish_reason="env_error",
+                                behavior_version=version, last_behavior_version=version)
+        trajectory.env_error = f"{type(error).__name__}: {error}"
+        return trajectory
+
     def _play(self, env: Environment, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
         try:
             messages = env.reset(row)
         except Exception as error:  # noqa: BLE001 - user environment code; the sample carries the failure
-            log.warning("environment reset failed: %s: %s", type(error).__name__, error)
-            trajectory = Trajectory(self.chat.prompt_ids(opening_messages(row, None, ())), finish_reason="env_error")
-            trajectory.env_error = f"{type(error).__name__}: {error}"
-            return trajectory
+            return self._not_started(row, "reset", error)
         trajectory = Trajectory(self.chat.prompt_ids(messages))
         limits = self.limits
         while True:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from rlx.agents.environments import ENVIRONMENTS, EnvironmentFactory, user_environment
+from rlx.agents.environments import ENVIRONMENTS, EnvironmentFactory, environment_class, user_environment
 from rlx.agents.loop import AgentRollout, TurnLimits
 from rlx.agents.parsers import build_parser
 from rlx.errors import ConfigError
@@ -36,10 +36,11 @@ def environment_factory(config: RunConfig, toolbox: ToolBox | None) -> Environme
     assert agent is not None
     system_prompt = agent.system_prompt if agent.system_prompt is not None else config.data.system_prompt
     if ":" in agent.environment:
-        factory = user_environment(agent.environment, agent.environment_options)
         if not agent.isolate_environment:
-            return factory
+            return user_environment(agent.environment, agent.environment_options)
         from rlx.agents.isolated import IsolatedEnvironments
+
+        environment_class(agent.environment)  # imported here to name a bad path now; built only in its processes
 
         return IsolatedEnvironments(agent.environment, agent.environment_options, agent.environment_timeout_s,
                                     agent.environment_processes or rollout_concurrency(config))

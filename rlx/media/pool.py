@@ -1,6 +1,6 @@
 """Media processing in a pool of processes (`data.processor_workers`): each prompt group's media
-are decoded and turned into model inputs in a process of the pool, the groups a step starts in
-parallel, while the rollout's own thread keeps generating.
+are decoded and turned into model inputs in a process of the pool, the groups a step (or a refill)
+starts in parallel with each other; the engine thread waits for them.
 
 The pool's processes build the same processor as the rollout would (`processor_for`, from the
 model's config and `data`), so the inputs are identical; a row the processor refuses raises the

@@ -1,5 +1,5 @@
 """A media processor process: turns rows' media into model inputs for a rollout's processor pool
-(rlx.media.pool), so decoding and patching run beside generation, in parallel across groups.
+(rlx.media.pool), so decoding and patching run in parallel across groups.
 
 Run as `python -m rlx.media.processor_process FD` (rlx.isolation: requests in the main thread).
 Ops: "open" (model config, DataConfig) builds the processor (`processor_for`); "process"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlx.models import audio, smollm2, tiny, upcycle, vision
 
@@ -141,6 +143,25 @@ def load_value_model(path: Path, device: str = "cpu"):
         if model.score.bias is not None:
             model.score.bias.zero_()
     return model.to(device)
+
+
+# model types whose forward runs the output layer on every position whatever `logits_to_keep` says
+IGNORE_LOGITS_TO_KEEP = frozenset({"qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"})
+
+
+@contextlib.contextmanager
+def logits_of_last(model: Any, kept: int | None) -> Iterator[None]:
+    """Within the block, a forward computes logits for the last `kept` positions only, also for the
+    models that ignore `logits_to_keep` (their output layer then sees only those positions): a
+    prefill or a training forward never builds [B, L, vocab] logits it does not read."""
+    if not kept or getattr(model.config, "model_type", None) not in IGNORE_LOGITS_TO_KEEP:
+        yield
+        return
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: (args[0][:, -kept:], *args[1:]))
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 def eos_token_ids(model, tokenizer) -> tuple[int, ...]:

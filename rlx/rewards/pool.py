@@ -20,19 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlx.isolation import (
-    ChildProcess,
-    ProcessCrash,
-    ProcessFailure,
-    ProcessPool,
-    ProcessTimeout,
-    self_destruct_after,
-)
+from rlx.isolation import ChildProcess, ProcessFailure, ProcessPool, self_destruct_after
 
 RewardFn = Callable[..., Any]
 START_TIMEOUT_S = 120.0  # starting a worker and importing a reward's module, not counted in reward.timeout_s
-# a pooled call's failures: the message is the sample's reward_error, `kind` its failure class
-RewardFailure, RewardTimeout, RewardCrash = ProcessFailure, ProcessTimeout, ProcessCrash
+# a pooled call's failure (ProcessTimeout, ProcessCrash or an error): the message is the sample's
+# reward_error, `kind` its failure class
+RewardFailure = ProcessFailure
 
 
 @dataclass(frozen=True)

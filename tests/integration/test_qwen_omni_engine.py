@@ -26,6 +26,7 @@ from rlx.media.inputs import media_token_ids
 from rlx.media.loading import MediaItem
 from rlx.media.positions import mrope_positions
 from rlx.media.processor import QwenOmniProcessor, processor_for
+from rlx.models import logits_of_last
 from rlx.models.tiny_omni import (
     AUDIO_END_ID,
     AUDIO_START_ID,
@@ -192,3 +193,15 @@ def test_audio_token_counts_are_the_encoders_own():
     assert [encoder_tokens(f) for f in frames.tolist()] == qwen2_5.tolist()
     qwen3 = _get_feat_extract_output_lengths(frames, 50)
     assert [chunked_encoder_tokens(f, 50) for f in frames.tolist()] == qwen3.tolist()
+
+
+def test_logits_are_built_for_the_kept_positions_only(omni):
+    """The thinkers ignore `logits_to_keep`; within `logits_of_last` their output layer sees only the
+    kept positions, so neither the engine's prefill nor the trainer builds [B, L, vocab] logits."""
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        every = omni(input_ids=ids, logits_to_keep=2).logits
+        with logits_of_last(omni, 2):
+            kept = omni(input_ids=ids, logits_to_keep=2).logits
+    assert every.shape[1] == 6 and kept.shape[1] == 2
+    torch.testing.assert_close(kept, every[:, -2:], rtol=0, atol=1e-6)

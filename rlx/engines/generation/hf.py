@@ -36,6 +36,7 @@ from rlx.engines.generation.kv_cache import GrowingCache
 from rlx.media.encode import forward_inputs
 from rlx.media.inputs import concat_media, media_token_ids
 from rlx.media.positions import POSITION_INPUTS, linear_positions, mrope_positions, uses_mrope
+from rlx.models import logits_of_last
 from rlx.models.moe import MoeRouting, stack_captured
 
 
@@ -299,7 +300,7 @@ class HFGenerationEngine(StreamingEngine):
         else:
             positions = linear_positions(attention)
         cache = GrowingCache()
-        with self._recording() as captured:
+        with self._recording() as captured, logits_of_last(self.model, 1):
             logits = self.model(
                 attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True,
                 logits_to_keep=1, **forward_inputs(self.model, input_ids, rows_media),

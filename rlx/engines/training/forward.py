@@ -15,6 +15,7 @@ from rlx.engines.training.prompt_sharing import prompt_groups, shared_prompt_log
 from rlx.media.encode import forward_inputs
 from rlx.media.inputs import concat_media
 from rlx.media.positions import POSITION_INPUTS, position_ids
+from rlx.models import logits_of_last
 from rlx.models.moe import routing_of
 
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
@@ -42,7 +43,7 @@ def forward_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, **kwar
     input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     rows_media = batch.media or []
     grids = concat_media(rows_media, device, only=POSITION_INPUTS)
-    with autocast_context(model, bf16):
+    with autocast_context(model, bf16), logits_of_last(model, kwargs.get("logits_to_keep")):
         return model(
             attention_mask=attention_mask,
             position_ids=position_ids(model, input_ids, attention_mask, grids),
@@ -58,8 +59,8 @@ def response_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, share
     if groups is not None:
         with autocast_context(model, bf16):
             return shared_prompt_logits(model, batch, groups)
-    kept = batch.response_width + 1  # a model that ignores logits_to_keep (Qwen2.5-Omni) returns every column
-    return forward_logits(model, batch, bf16, logits_to_keep=kept)[:, -kept:-1]
+    kept = batch.response_width + 1
+    return forward_logits(model, batch, bf16, logits_to_keep=kept)[:, :-1]
 
 
 def token_logprobs(
