@@ -116,10 +116,8 @@ class ChildProcess:
     def kill(self) -> None:
         """The child and whatever it started (user code that runs a program): its whole process group."""
         self.conn.close()
-        try:
+        with contextlib.suppress(ProcessLookupError):  # already gone
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # already gone
-            pass
         self.proc.wait()
 
     def stop(self) -> None:
