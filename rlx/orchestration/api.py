@@ -92,7 +92,7 @@ class AddEngineRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     url: str = Field(min_length=1, max_length=2048, description="base URL of a running server, e.g. "
                      "http://127.0.0.1:30000")
-    engine: str = Field(max_length=64, description="the server's kind: sglang")
+    engine: str = Field(max_length=64, description="the server's kind: sglang or vllm")
 
 
 class EngineInfo(BaseModel):

@@ -1,8 +1,8 @@
 """Rollout engines added by URL: servers that already run somewhere join a live async run.
 
 Each one becomes its own one-replica Serve application: a rollout RoleService whose engine is the
-`sglang` adapter pointed at the server (`rollout.engine_options.url`), so it is a rollout replica
-like any other. It subscribes to DCS and sends the latest published weights to the server over the
+`sglang` adapter or the `vllm` URL adapter pointed at the server (`rollout.engine_options.url`),
+so it is a rollout replica like any other. It subscribes to DCS and sends the latest published weights to the server over the
 adapter's weight-update path before it takes a prompt group; it takes groups from the shared
 PromptSource under the same staleness gate and writes its samples to the same bus; the
 HealthManager sees its beats. What is particular to it lives here: the server is checked before it
@@ -27,10 +27,12 @@ from urllib.parse import urlsplit
 import requests
 
 from rlx.config import RunConfig
-from rlx.engines.generation.sglang import check_response, excerpt, is_loopback
+from rlx.engines.generation.server_client import check_response, excerpt, is_loopback
 from rlx.orchestration.api import EngineConflict, EngineRejected, UnknownEngine
 
-URL_ENGINE_KINDS = ("sglang",)  # kinds with an adapter that drives a server by URL
+# kinds with an adapter that drives a server by URL, and the route that answers when the server is up
+# and serves what the adapter needs (vLLM's /weight_info exists only with its RL API on)
+PROBE_ROUTES = {"sglang": "/get_model_info", "vllm": "/weight_info"}
 MAX_URL_ENGINES = 16
 PROBE_TIMEOUT_S = 5.0
 DEAD_AFTER_PROBES = 3  # consecutive unanswered probes (one per driver poll) before a server counts as gone
@@ -51,29 +53,31 @@ def normalize_url(url: str) -> str:
     return f"{parts.scheme}://{host}:{port or (443 if parts.scheme == 'https' else 80)}"
 
 
-def probe(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """Why the server at `url` is not an SGLang-compatible server that answers, or None when it is:
-    `GET /get_model_info` must answer JSON (the adapter reads its `weight_version` at start)."""
+def probe(url: str, kind: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the server at `url` is not a `kind` server that answers, or None when it is: its probe
+    route (`PROBE_ROUTES`) must answer a JSON object (the adapter reads its `weight_version` there)."""
+    route = PROBE_ROUTES[kind]
     session = requests.Session()
     session.trust_env = not is_loopback(url)  # as the adapter: no proxy for a local server
     try:
-        response = session.get(url + "/get_model_info", timeout=timeout_s)
-        info = check_response("/get_model_info", response.status_code, response.text, server=url)
+        response = session.get(url + route, timeout=timeout_s)
+        info = check_response(route, response.status_code, response.text, server=url)
     except requests.RequestException as error:
         return f"{type(error).__name__}: {excerpt(str(error), 200)}"
-    except RuntimeError as error:  # SGLangError: not 2xx, or not JSON
+    except RuntimeError as error:  # ServerError: not 2xx, or not JSON
         return str(error)
     finally:
         session.close()
-    return None if isinstance(info, dict) else f"GET /get_model_info answered {excerpt(str(info), 100)}, not an object"
+    return None if isinstance(info, dict) else f"GET {route} answered {excerpt(str(info), 100)}, not an object"
 
 
 def url_engine_config(config: RunConfig, url: str, kind: str) -> dict[str, Any]:
     """The run's config with its rollout engine pointed at `url`. The run's own engine_options carry
-    over when the run already uses `kind` (an API key, timeouts). What `auto` resolved to for the
+    over when the run already drives a `kind` server by URL (an API key, timeouts). What `auto` resolved to for the
     run is pinned, so the relay writes the same bus fields as every other rollout replica."""
     raw = config.model_dump(mode="json")
-    options = config.rollout.engine_options if config.rollout.engine == kind else {}
+    by_url = config.rollout.engine == kind and "url" in config.rollout.engine_options
+    options = config.rollout.engine_options if by_url else {}
     raw["rollout"].update(engine=kind, engine_options={**options, "url": url})
     raw["algorithm"].update(behavior_correction=config.algorithm.resolved_correction,
                             routing_replay=config.routing_replay)
@@ -108,10 +112,10 @@ class UrlEngines:
             return self._add(url, kind)
 
     def _add(self, url: str, kind: str) -> dict[str, Any]:
-        if kind not in URL_ENGINE_KINDS:
-            raise EngineRejected(
-                f"engine={kind!r} cannot be added by URL: rlx drives {', '.join(URL_ENGINE_KINDS)} servers by URL "
-                "(its vllm engine runs in-process, in a rollout replica: scale those with /v1/rollout/scale)")
+        if kind not in PROBE_ROUTES:
+            raise EngineRejected(f"engine={kind!r} cannot be added by URL: rlx drives {', '.join(PROBE_ROUTES)} "
+                                 "servers by URL (other engines run in a rollout replica: scale those with "
+                                 "/v1/rollout/scale)")
         url = normalize_url(url)
         if any(e.url == url for e in self.engines.values()):
             raise EngineConflict(f"url={url} is already a rollout engine of this run (GET /v1/rollout/engines); "
@@ -119,10 +123,11 @@ class UrlEngines:
         if len(self.engines) >= MAX_URL_ENGINES:
             raise EngineConflict(f"this run already has {MAX_URL_ENGINES} rollout engines added by URL; "
                                  "remove one (DELETE /v1/rollout/engines/<id>) first")
-        problem = probe(url)
+        problem = probe(url, kind)
         if problem is not None:
-            raise EngineRejected(f"url={url}: no SGLang-compatible server answered GET /get_model_info ({problem}); "
-                                 "start the server first, or check the host and port")
+            raise EngineRejected(f"url={url}: no {kind} server answered GET {PROBE_ROUTES[kind]} ({problem}); start "
+                                 "the server first (a vLLM server with VLLM_SERVER_DEV_MODE=1), or check the host "
+                                 "and port")
         engine_id = f"url-{next(self.numbers)}"
         key = self.controller.deploy_url_engine(engine_id, url_engine_config(self.controller.config, url, kind))
         engine = self.engines[engine_id] = UrlEngine(engine_id, url, kind, key)
@@ -151,7 +156,7 @@ class UrlEngines:
                 if not self._beating(engine.id) and not self.controller.app_running(engine.key):
                     self._forget(engine)
                 continue
-            problem = probe(engine.url)
+            problem = probe(engine.url, engine.kind)
             engine.unanswered = 0 if problem is None else engine.unanswered + 1
             if engine.unanswered >= DEAD_AFTER_PROBES:
                 self._drop(engine, f"its server stopped answering ({problem})")

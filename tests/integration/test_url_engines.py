@@ -122,14 +122,23 @@ def test_the_relay_config_points_the_engine_at_the_server_and_pins_what_auto_res
         "engine": "sglang", "engine_options": {"url": "http://127.0.0.1:1", "timeout_s": 30}})})
     assert url_engine_config(same, "http://127.0.0.1:2", "sglang")["rollout"]["engine_options"] == {
         "url": "http://127.0.0.1:2", "timeout_s": 30}
+    # an in-process vllm run's engine arguments are not options of the vllm URL adapter
+    in_process = run.model_copy(update={"rollout": run.rollout.model_copy(update={
+        "engine": "vllm", "engine_options": {"max_model_len": 256}})})
+    assert url_engine_config(in_process, "http://127.0.0.1:2", "vllm")["rollout"]["engine_options"] == {
+        "url": "http://127.0.0.1:2"}
 
 
 def test_bad_engines_are_refused_naming_the_field_and_the_fix(engines, server, not_sglang):
-    with pytest.raises(EngineRejected, match=r"engine='vllm' cannot be added by URL.*sglang"):
-        engines.add(server.url, "vllm")
-    with pytest.raises(EngineRejected, match=r"url=http://127.0.0.1:\d+: no SGLang-compatible server answered "
+    with pytest.raises(EngineRejected, match=r"engine='hf' cannot be added by URL.*sglang, vllm"):
+        engines.add(server.url, "hf")
+    with pytest.raises(EngineRejected, match=r"url=http://127.0.0.1:\d+: no sglang server answered "
                                              r"GET /get_model_info \(ConnectionError.*start the server first"):
         engines.add(f"http://127.0.0.1:{free_port()}", "sglang")
+    # an SGLang server is not a vLLM server with its RL API on
+    with pytest.raises(EngineRejected, match=r"no vllm server answered GET /weight_info \(.*HTTP 404.*"
+                                             r"VLLM_SERVER_DEV_MODE=1"):
+        engines.add(server.url, "vllm")
     with pytest.raises(EngineRejected, match=r"HTTP 404"):
         engines.add(not_sglang, "sglang")
     assert engines.controller.deployed == {} and engines.listing() == []
@@ -216,8 +225,8 @@ def test_the_api_routes_answer_4xx_naming_the_field(engines, server, tmp_path):
             assert response.status_code == 422, (body, response.text)
         missing = post({"engine": "sglang"}).json()["detail"][0]
         assert missing["loc"] == ["body", "url"]
-        refused = post({"url": server.url, "engine": "vllm"})
-        assert refused.status_code == 422 and refused.json()["detail"].startswith("engine='vllm'")
+        refused = post({"url": server.url, "engine": "hf"})
+        assert refused.status_code == 422 and refused.json()["detail"].startswith("engine='hf'")
         unreachable = post({"url": f"http://127.0.0.1:{free_port()}", "engine": "sglang"})
         assert unreachable.status_code == 422 and "start the server first" in unreachable.json()["detail"]
         added = post({"url": server.url, "engine": "sglang"})

