@@ -517,7 +517,7 @@ class RoleResources(Section):
                           "many (`rlx scale` changes it); the Actor and the Critic have exactly one")
     ranks: int = Field(1, ge=1, le=64, description="processes that hold the role's model together, its parameters "
                        "(and a trainer's gradients and optimizer state) sharded over them (FSDP2; gloo on CPU, nccl "
-                       "with GPUs). Actor, Critic, Reference and Teacher; each rank reserves num_cpus and num_gpus")
+                       "with GPUs). Actor, Critic, Reference, Teacher and ActorFwd; each rank reserves num_cpus and num_gpus")
 
 
 class ResourcesConfig(Section):
@@ -665,7 +665,7 @@ class RunConfig(Section):
 
 
 GROUP_RELATIVE = ("grpo", "rloo", "reinforce_pp_baseline")
-SHARDABLE_ROLES = ("actor", "critic", "reference", "teacher")
+SHARDABLE_ROLES = ("actor", "critic", "reference", "teacher", "actor_fwd")
 
 
 def choice_conflicts(c: RunConfig) -> list[str]:

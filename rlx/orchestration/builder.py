@@ -235,23 +235,31 @@ def shares_prompts(config: RunConfig) -> bool:
     return config.train.share_prompts and not is_rank_of_group()
 
 
-def forward_role(config: RunConfig, model: PreTrainedModel) -> type[Reference]:
+def forward_role(config: RunConfig, model: PreTrainedModel, follows_policy: bool = False) -> type[Reference]:
     """On a rank of a process group: `model` sharded, and the class that runs its forwards in
-    lockstep (imported only there); else the one-process `Reference`."""
+    lockstep (imported only there); else the one-process class. `follows_policy`: ActorFwd."""
     if not is_rank_of_group():
-        return Reference
-    from rlx.engines.training.fsdp import ShardedReference, shard_model
+        return ActorFwd if follows_policy else Reference
+    from rlx.engines.training.fsdp import ShardedActorFwd, ShardedReference, shard_model
 
     shard_model(model, config.train)
-    return ShardedReference
+    return ShardedActorFwd if follows_policy else ShardedReference
 
 
-def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd:
+def build_actor_fwd(config: RunConfig, path: Path) -> ActorFwd | RankGroup:
+    """ActorFwd: in this process, or over `resources.actor_fwd.ranks` rank processes."""
+    if config.resources.actor_fwd.ranks > 1:
+        return rank_group(config, "actor_fwd", functools.partial(build_actor_fwd_rank, config, path))
+    return build_actor_fwd_rank(config, path)
+
+
+def build_actor_fwd_rank(config: RunConfig, path: Path) -> ActorFwd:
     """float32 weights under the trainer's autocast: at the same weight version its log-probs are
     the Actor's own, so the proximal ratio is exactly 1 there, not bf16 rounding noise."""
     model, tokenizer = load_policy(config, path, "float32")
-    return ActorFwd(model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size,
-                    bf16=config.train.bf16_autocast, share_prompts=shares_prompts(config))
+    return forward_role(config, model, follows_policy=True)(
+        model, tokenizer.pad_token_id, config.rollout.temperature, config.train.micro_batch_size,
+        bf16=config.train.bf16_autocast, share_prompts=shares_prompts(config))
 
 
 def build_reward_role(config: RunConfig) -> Reward | GenRM:

@@ -218,6 +218,10 @@ class RankGroup:
     def weight_version(self) -> int:
         return self._first("weight_version")
 
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """ActorFwd's new version: put once in the object store; every rank loads it whole and keeps its slices."""
+        self._all("load_weights", ray.put(state_dict), version)
+
     def refresh(self, state_dict: dict[str, torch.Tensor], version: int) -> bool:
         """A Reference that follows the policy: every rank takes the same decision and, when due,
         loads the whole weights (put once in the object store) and keeps its slices."""

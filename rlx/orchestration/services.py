@@ -142,6 +142,7 @@ def _reference(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
 
 def _actor_fwd(cfg: RunConfig, plan: RolePlan, shared: Shared) -> Worker:
     actor_fwd = build_actor_fwd(cfg, model_path(cfg))
+    _exit_with_a_lost_rank(actor_fwd)
     return _subscribe(lambda sync: logprob_worker(cfg, plan, "actor_fwd", actor_fwd, shared.bus, sync), shared,
                       actor_fwd.load_weights)
 

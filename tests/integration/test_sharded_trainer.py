@@ -22,6 +22,7 @@ from rlx.checkpoint_shards import INDEX, shard_name
 from rlx.data.sample import Sample
 from rlx.orchestration.builder import (
     build_actor,
+    build_actor_fwd,
     build_actor_rank,
     build_critic,
     build_critic_rank,
@@ -262,3 +263,26 @@ def test_a_sharded_reference_and_teacher_score_as_one_process(ray_cluster, tiny_
     finally:
         group.close()
         teacher.close()
+
+
+def test_a_sharded_actor_fwd_loads_each_version_and_scores_as_one_process(ray_cluster, tiny_path, tmp_path):
+    """ActorFwd over 2 ranks: each published version is loaded whole by every rank (kept as its
+    slices), and its log-probs and version are the one-process ActorFwd's."""
+    samples = batch(count=9)
+    config = config_for(tiny_path, tmp_path, 1).model_copy(deep=True)
+    sharded = config.model_copy(deep=True)
+    sharded.resources.actor_fwd.ranks = 2
+    single, group = build_actor_fwd(config, tiny_path), build_actor_fwd(sharded, tiny_path)
+    try:
+        initial = single.logprobs(samples)
+        actor = build_actor_rank(config, tiny_path)
+        train_one_step(actor, samples, 3)
+        single.load_weights(actor.weights(), 1)
+        group.load_weights(actor.weights(), 1)
+        assert group.weight_version == single.weight_version == 1
+        expected, scored = single.logprobs(samples), group.logprobs(samples)
+        assert max(abs(a - b) for x, y in zip(expected, initial) for a, b in zip(x, y)) > 1e-3  # the version moved it
+        assert [len(row) for row in scored] == [len(s.response_ids) for s in samples]
+        assert max(abs(a - b) for x, y in zip(scored, expected) for a, b in zip(x, y)) < TOLERANCE
+    finally:
+        group.close()

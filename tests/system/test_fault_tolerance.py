@@ -29,20 +29,22 @@ def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
     # recovered for the run to reach its last step
     # KL to a reference and decoupled PPO bring in the Reference and ActorFwd roles, killed too; the DCS
     # coordinator is killed, then hung. The Reference runs two replicas: the role serves on while one is replaced
-    config = paced_async_config(tiny_path, tmp_path, train__steps=20, train__hang_timeout_s=6,
+    # A fault fires once the driver sees its step; the next step needs the role back (each is on the
+    # Actor's path, or stalls it within max_staleness), so one step apart the faults still come one by one.
+    config = paced_async_config(tiny_path, tmp_path, train__steps=12, train__hang_timeout_s=6,
                                 algorithm__kl_coef=0.05, algorithm__behavior_correction="decoupled",
                                 resources__reference={"replicas": 2})
     config.faults = [FaultConfig(role="reward", at_step=2, kind="kill"),
-                     FaultConfig(role="rollout", at_step=4, kind="kill"),
-                     FaultConfig(role="advantages", at_step=6, kind="hang"),
-                     FaultConfig(role="reference", at_step=8, kind="kill"),
-                     FaultConfig(role="actor_fwd", at_step=10, kind="kill"),
-                     FaultConfig(role="dcs", at_step=12, kind="kill"),  # the weight coordinator
-                     FaultConfig(role="dcs", at_step=15, kind="hang")]
+                     FaultConfig(role="rollout", at_step=3, kind="kill"),
+                     FaultConfig(role="advantages", at_step=4, kind="hang"),
+                     FaultConfig(role="reference", at_step=5, kind="kill"),
+                     FaultConfig(role="actor_fwd", at_step=6, kind="kill"),
+                     FaultConfig(role="dcs", at_step=7, kind="kill"),  # the weight coordinator
+                     FaultConfig(role="dcs", at_step=9, kind="hang")]
     run_dir = run_async(config, echo=print)
 
     steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
-    assert [r["step"] for r in steps] == list(range(1, 21))  # the run completed
+    assert [r["step"] for r in steps] == list(range(1, 13))  # the run completed
     assert steps[-1]["total_samples_duplicated"] == 0  # no sample reached the trainer twice
     for r in steps:  # every row of every step is accounted for: trained or filtered with a reason
         assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16

@@ -56,3 +56,19 @@ def test_an_async_run_on_vllm_loads_every_version_and_reports_the_mismatch(tiny_
     assert trained and max(r["rollout_logprob_abs_diff"] for r in trained) < 1e-3  # on-policy: kernels only
     assert all(r.get("staleness_mean", 0) == 0 for r in steps)
     assert records[-1]["eval_weight_version"] == 4
+
+
+def test_a_multi_turn_tool_run_on_vllm_trains_the_tokens_vllm_sampled(tiny_vllm_path, tmp_path):
+    """Multi-turn trajectories on vLLM: each turn a request of its own (its prompt the trajectory so
+    far, the tool's reply appended as tokens), the trainer scoring the same tokens to kernel noise."""
+    from tests.system.test_agent_runs import _agent_config
+
+    config = _agent_config(tiny_vllm_path, tmp_path, rollout__engine="vllm")
+    records = read_metrics(run_colocate(config, echo=lambda _: None))
+    steps = [r for r in records if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for record in steps:
+        assert 1.0 <= record["agent_turns_mean"] <= 2.0 and 0.0 < record["agent_masked_token_fraction"] < 1.0
+        assert record.get("agent_tool_lookup_ok", 0.0) > 0
+    trained = [r for r in steps if "rollout_logprob_abs_diff" in r]
+    assert trained and max(r["rollout_logprob_abs_diff"] for r in trained) < 1e-4, trained

@@ -397,10 +397,13 @@ def test_moe_settings_on_a_dense_model_name_the_fix(tmp_path):
 
 def test_ranks_are_for_model_holding_roles_and_trainers_take_one_update_per_step():
     assert build_config({"resources": {"actor": {"ranks": 2}, "critic": {"ranks": 2}}}).resources.actor.ranks == 2
-    sharded_forwards = build_config({"resources": {"reference": {"ranks": 2}, "teacher": {"ranks": 3}},
+    sharded_forwards = build_config({"resources": {"reference": {"ranks": 2}, "teacher": {"ranks": 3},
+                                                   "actor_fwd": {"ranks": 2}},
                                      "train": {"ppo_epochs": 2}})  # forward-only roles take no update
-    assert (sharded_forwards.resources.reference.ranks, sharded_forwards.resources.teacher.ranks) == (2, 3)
-    with pytest.raises(ConfigError, match=r"resources.rollout.ranks=2: only the actor, critic, reference, teacher"):
+    forwards = sharded_forwards.resources
+    assert (forwards.reference.ranks, forwards.teacher.ranks, forwards.actor_fwd.ranks) == (2, 3, 2)
+    with pytest.raises(ConfigError, match=r"resources.rollout.ranks=2: only the actor, critic, reference, teacher, "
+                                          r"actor_fwd shard"):
         build_config({"resources": {"rollout": {"ranks": 2}}})
     with pytest.raises(ConfigError, match=r"resources.actor.ranks > 1 with train.ppo_epochs=2"):
         build_config({"resources": {"actor": {"ranks": 2}}, "train": {"ppo_epochs": 2}})

@@ -239,3 +239,10 @@ class ShardedReference(Reference):
 
     def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
         set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True))
+
+
+class ShardedActorFwd(ShardedReference):
+    """ActorFwd on one rank of a group: every published version is loaded whole and kept as this
+    rank's slices."""
+
+    timeline_role = "actor_fwd"
