@@ -115,6 +115,10 @@ class Controller:
             # an engine added by URL that cannot start (its server holds another model) fails soon and is dropped
             **({"max_constructor_retry_count": URL_ENGINE_START_TRIES} if engine_id is not None else {}),
         )
+        # A stable version makes a later change of num_replicas (scaling) a lightweight update: Serve
+        # adds or removes replicas and leaves the running ones be. Without one, `serve.run` stamps a
+        # random version and replaces every running replica (a drain and a restart for each).
+        deployment._version = self.app_name(key)
         app = deployment.bind(role, config, self.shared, engine_id)
         return serve.RunTarget(app, name=self.app_name(key), route_prefix=None)
 

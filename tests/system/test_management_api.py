@@ -264,6 +264,7 @@ def drive(run_dir: Path, seen: dict) -> None:
                                         headers={"Authorization": "Bearer nope"}).status_code
     seen["bad_body"] = requests.post(f"{url}/v1/rollout/scale", json={"replicas": 0}, headers=auth,
                                      timeout=30).status_code
+    seen["replica_before_up"] = engines()[0]["replica"]
     seen["up"] = requests.post(f"{url}/v1/rollout/scale", json={"replicas": 2}, headers=auth, timeout=600).json()
     seen["step_at_2"] = status()["step"]
     seen["engines_at_2"] = wait_for(lambda: len(engines()) == 2 and engines())
@@ -302,6 +303,8 @@ def test_api_scales_rollout_and_guards_every_mutation(tiny_path, tmp_path):
     assert seen["no_token"] == 401 and seen["wrong_token"] == 401 and seen["bad_body"] == 422
     assert seen["up"] == {"replicas_before": 1, "replicas": 2}
     assert len({e["replica"] for e in seen["engines_at_2"]}) == 2
+    # scaling out adds a replica beside the running one: it is not restarted
+    assert seen["replica_before_up"] in {e["replica"] for e in seen["engines_at_2"]}
     assert seen["down"] == {"replicas_before": 2, "replicas": 1}
     assert Path(seen["checkpoint"], "model.safetensors").exists()
     assert seen["stop"] == 200
