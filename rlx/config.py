@@ -209,7 +209,8 @@ class EngineSettings(Section):
                         "or one registered in GENERATION_ENGINES")
     engine_options: dict[str, Any] = Field(default_factory=dict,
                                            description="backend-specific settings, passed to the engine as is "
-                                           "(sglang: url, api_key, ...)")
+                                           "(sglang: url, api_key, ...; vllm: EngineArgs fields, or url to drive "
+                                           "a running vLLM server)")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="the engine's weights; training precision is train.param_dtype. For the Rollout, "
         "a dtype other than the trainer's makes algorithm.behavior_correction=auto pick tis")
@@ -404,7 +405,7 @@ class AlgorithmConfig(Section):
     routing_replay: Literal["auto", "off", "r3"] = Field(
         "auto", description="mixture-of-experts models: r3 (Rollout Routing Replay) routes every token, in every "
         "trainer forward (Actor, ActorFwd, Reference), to the experts the rollout engine chose; off: the trainer "
-        "routes itself. auto: r3 for a MoE model whose engine reports routes (hf, vllm, sglang), else off. r3 on a "
+        "routes itself. auto: r3 for a MoE model whose engine reports routes (hf, vllm in-process, sglang), else off. r3 on a "
         "dense model is an error")
     routing_mismatch_every: int = Field(
         10, ge=0, description="R3: every N steps one extra forward without replay measures the rollout/trainer "
@@ -705,10 +706,10 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if a.router_aux_loss_coef > 0 and is_moe_model(c.model.path) is False:
         problems.append(f"algorithm.router_aux_loss_coef balances mixture-of-experts routers, but model.path="
                         f"{c.model.path!r} is a dense model: set algorithm.router_aux_loss_coef=0")
-    if a.routing_replay == "r3" and c.rollout.engine not in ROUTE_REPORTING_ENGINES:
-        problems.append(f"algorithm.routing_replay=r3 needs the experts the engine routed to; rollout.engine="
-                        f"{c.rollout.engine} does not report them: use rollout.engine={' or '.join(sorted(ROUTE_REPORTING_ENGINES))}, "
-                        "or set algorithm.routing_replay=off")
+    if a.routing_replay == "r3" and not reports_routes(c.rollout):
+        problems.append(f"algorithm.routing_replay=r3 needs the experts the engine routed to; {engine_named(c.rollout)} "
+                        f"does not report them: use rollout.engine={' or '.join(sorted(ROUTE_REPORTING_ENGINES))} "
+                        "(vllm in-process), or set algorithm.routing_replay=off")
     if c.rollout.agent is not None and c.rollout.agent_app is not None:
         problems.append("rollout.agent (an environment rlx drives) and rollout.agent_app (a program that drives "
                         "the policy) are two ways to roll out: set one of them")
@@ -770,6 +771,16 @@ def auto_correction(c: RunConfig) -> tuple[Correction, str]:
     return "none", "on-policy samples from the trainer's own engine and dtype"
 
 
+def reports_routes(rollout: RolloutConfig) -> bool:
+    """Whether the rollout's engine returns the experts it routed to (vLLM does in-process, not by URL)."""
+    return rollout.engine in ROUTE_REPORTING_ENGINES and not (rollout.engine == "vllm" and "url" in rollout.engine_options)
+
+
+def engine_named(rollout: RolloutConfig) -> str:
+    by_url = " by URL (engine_options.url)" if "url" in rollout.engine_options else ""
+    return f"rollout.engine={rollout.engine}{by_url}"
+
+
 def resolve_routing_replay(c: RunConfig) -> tuple[Literal["off", "r3"], str]:
     """Whether the trainer replays the rollout's expert routes (R3), and why (for `rlx doctor`)."""
     setting, moe = c.algorithm.routing_replay, is_moe_model(c.model.path)
@@ -777,8 +788,8 @@ def resolve_routing_replay(c: RunConfig) -> tuple[Literal["off", "r3"], str]:
         return setting, "set explicitly"
     if not moe:
         return "off", f"model.path={c.model.path!r} is not a mixture-of-experts model"
-    if c.rollout.engine not in ROUTE_REPORTING_ENGINES:
-        return "off", f"rollout.engine={c.rollout.engine} does not report the experts it routed to"
+    if not reports_routes(c.rollout):
+        return "off", f"{engine_named(c.rollout)} does not report the experts it routed to"
     return "r3", (f"model.path={c.model.path!r} is a mixture-of-experts model and "
                   f"rollout.engine={c.rollout.engine} reports its routes")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class Controller:
         self.config, self.echo = config, echo
         self.plan = build_plan(config)
         self.run_id = run_id(config)
+        self.deployment_nonce = uuid.uuid4().hex[:8]  # see `_service_target`
         self.handles: dict[str, Any] = {}
         self.rollout_replicas = config.initial_rollout_replicas
         self.started_ray = False
@@ -115,10 +117,12 @@ class Controller:
             # an engine added by URL that cannot start (its server holds another model) fails soon and is dropped
             **({"max_constructor_retry_count": URL_ENGINE_START_TRIES} if engine_id is not None else {}),
         )
-        # A stable version makes a later change of num_replicas (scaling) a lightweight update: Serve
-        # adds or removes replicas and leaves the running ones be. Without one, `serve.run` stamps a
-        # random version and replaces every running replica (a drain and a restart for each).
-        deployment._version = self.app_name(key)
+        # A version fixed for this driver makes a later change of num_replicas (scaling) a lightweight
+        # update: Serve adds or removes replicas and leaves the running ones be. Without one, `serve.run`
+        # stamps a random version and replaces every running replica (a drain and a restart for each).
+        # The nonce keeps a resumed run (same application names, on a shared cluster) from keeping the
+        # replicas of the driver it replaces, which hold handles to that driver's bus.
+        deployment._version = f"{self.app_name(key)}-{self.deployment_nonce}"
         app = deployment.bind(role, config, self.shared, engine_id)
         return serve.RunTarget(app, name=self.app_name(key), route_prefix=None)
 
@@ -189,10 +193,13 @@ class Controller:
                 self.call_service(role, "stop")
             except Exception as exc:  # noqa: BLE001 - a dead replica cannot stop; shutting Serve down removes it anyway
                 self.echo(f"stopping {role}: {type(exc).__name__}: {exc}")
-        if self.started_ray:  # the cluster ends with the run: its end takes Serve and every replica with it
-            stop_ray()  # (serve.shutdown first would wait about 5 s on replicas that have stopped already)
-        elif ray.is_initialized():  # a shared cluster: remove this run's applications only (a missing one is a no-op)
-            for key in {*self.plan.role_names, *self.handles}:
-                serve.delete(self.app_name(key))
-            if self.weights is not None:
-                self.weights.close()
+        if ray.is_initialized():
+            if self.started_ray:  # every replica's stop() runs (spans flushed, goodbye beat), not only the one called
+                serve.shutdown()
+            else:  # a shared cluster: remove this run's applications only (deleting a missing one is a no-op)
+                for key in {*self.plan.role_names, *self.handles}:
+                    serve.delete(self.app_name(key))
+                if self.weights is not None:
+                    self.weights.close()
+        if self.started_ray:
+            stop_ray()

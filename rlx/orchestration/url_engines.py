@@ -116,6 +116,10 @@ class UrlEngines:
             raise EngineRejected(f"engine={kind!r} cannot be added by URL: rlx drives {', '.join(PROBE_ROUTES)} "
                                  "servers by URL (other engines run in a rollout replica: scale those with "
                                  "/v1/rollout/scale)")
+        if kind == "vllm" and self.controller.config.routing_replay == "r3":
+            raise EngineRejected("engine='vllm' cannot be added to this run: it replays the rollout's expert routes "
+                                 "(algorithm.routing_replay=r3), which rlx's vllm URL adapter does not report; add "
+                                 "an sglang server, or scale the run's own rollout with /v1/rollout/scale")
         url = normalize_url(url)
         if any(e.url == url for e in self.engines.values()):
             raise EngineConflict(f"url={url} is already a rollout engine of this run (GET /v1/rollout/engines); "

@@ -132,6 +132,10 @@ def test_the_relay_config_points_the_engine_at_the_server_and_pins_what_auto_res
 def test_bad_engines_are_refused_naming_the_field_and_the_fix(engines, server, not_sglang):
     with pytest.raises(EngineRejected, match=r"engine='hf' cannot be added by URL.*sglang, vllm"):
         engines.add(server.url, "hf")
+    replaying = engines.controller.config.model_copy(update={"algorithm": engines.controller.config.algorithm.model_copy(
+        update={"routing_replay": "r3"})})
+    with pytest.raises(EngineRejected, match=r"engine='vllm' cannot be added to this run: it replays"):
+        UrlEngines(Deployments(replaying), Health(), echo=lambda _: None).add(server.url, "vllm")
     with pytest.raises(EngineRejected, match=r"url=http://127.0.0.1:\d+: no sglang server answered "
                                              r"GET /get_model_info \(ConnectionError.*start the server first"):
         engines.add(f"http://127.0.0.1:{free_port()}", "sglang")

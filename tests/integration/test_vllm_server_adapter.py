@@ -8,9 +8,12 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import requests
+import torch
 
 from rlx.engines.generation import EngineSpec, build_generation_engine
 from rlx.engines.generation.base import GenerationRequest, SamplingParams
+from rlx.engines.generation.vllm_server import VLLMServerError
 from rlx.errors import ConfigError
 from rlx.models import load_pretrained
 from tests.integration.test_vllm_engine import _max_logprob_gap, _perturbed
@@ -73,3 +76,21 @@ def test_a_server_that_cannot_serve_the_run_is_refused_naming_the_fix(model_path
                                                                         "kv_cache_memory_bytes": 1 << 30}))
     with pytest.raises(ConfigError, match="routing replay"):
         build_generation_engine("vllm", EngineSpec(model_path, options={"url": server.url}, record_routes=True))
+
+
+def test_a_failed_update_leaves_the_server_paused_until_a_whole_load_succeeds(model_path, server):
+    """An update the server refuses (a weight it has no parameter for) is tried once more, then
+    raised; the server is not resumed on weights that are part old, part new. The next whole load
+    resumes it on exactly the weights sent."""
+    engine, tokenizer = build_generation_engine("vllm", EngineSpec(model_path, options={"url": server.url}))
+    policy = _perturbed(model_path, seed=1)
+    broken = {**policy.state_dict(), "model.layers.0.no_such_weight": torch.zeros(3)}
+    with pytest.raises(VLLMServerError) as failed:
+        engine.load_weights(broken, version=5)
+    assert any("stays paused" in note for note in failed.value.__notes__)
+    assert requests.get(f"{server.url}/is_paused", timeout=30).json() == {"is_paused": True}
+    engine.load_weights(policy.state_dict(), version=6)
+    assert requests.get(f"{server.url}/is_paused", timeout=30).json() == {"is_paused": False}
+    results = engine.generate(_requests(tokenizer, ["12+7=", "3-9="]), SamplingParams(temperature=1.0, max_new_tokens=8))
+    assert {r.weight_version for r in results} == {6}
+    assert _max_logprob_gap(policy, tokenizer, results, 1.0) < LOGPROB_TOLERANCE

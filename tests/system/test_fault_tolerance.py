@@ -19,7 +19,7 @@ def paced_async_config(tiny_path, tmp_path, **overrides):
     sees each step (and injects a fault after it) while it happens. The paced reward takes 1 s a
     sample, so the held-out evaluations score only 4 prompts."""
     paced = {"train__steps": 12, "train__mode": "async", "train__max_staleness": 1, "rollout__prompts_per_step": 2,
-             "train__step_timeout_s": 300, "train__heartbeat_timeout_s": 6, "data__eval_size": 4,
+             "train__step_timeout_s": 300, "train__heartbeat_timeout_s": 10, "data__eval_size": 4,
              "reward__name": "tests.integration.toy_task:paced_count_a"}
     return toy_config(tiny_path, tmp_path, **{**paced, **overrides})
 

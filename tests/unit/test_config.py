@@ -367,6 +367,9 @@ def test_doctor_prints_the_resolved_correction_and_warnings(overrides, lines, ca
     ({"model": {"path": "tiny-moe"}, "rollout": {"engine": "vllm"}}, "r3"),
     ({"model": {"path": "tiny-moe"}, "rollout": {"engine": "sglang", "engine_options": {"url": "http://127.0.0.1:1"}}},
      "r3"),
+    # rlx's vllm URL adapter reports no routes
+    ({"model": {"path": "tiny-moe"}, "rollout": {"engine": "vllm", "engine_options": {"url": "http://127.0.0.1:1"}}},
+     "off"),
     ({"model": {"path": "tiny-moe"}, "algorithm": {"routing_replay": "off"}}, "off"),
 ])
 def test_routing_replay_resolution(raw, expected):
@@ -391,6 +394,9 @@ def test_moe_settings_on_a_dense_model_name_the_fix(tmp_path):
             build_config({"model": {"path": "tiny-moe"}, "rollout": {"engine": "no-routes"},
                           "algorithm": {"routing_replay": "r3"}})
         assert build_config({"model": {"path": "tiny-moe"}, "rollout": {"engine": "no-routes"}}).routing_replay == "off"
+        with pytest.raises(UserError, match=r"rollout.engine=vllm by URL \(engine_options.url\) does not report them"):
+            build_config({"model": {"path": "tiny-moe"}, "algorithm": {"routing_replay": "r3"},
+                          "rollout": {"engine": "vllm", "engine_options": {"url": "http://127.0.0.1:1"}}})
     finally:
         GENERATION_ENGINES._entries.pop("no-routes")
 

@@ -15,6 +15,7 @@ import ipaddress
 import json
 import math
 import os
+import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -182,6 +183,16 @@ def process_group(store: dist.Store, group_name: str, backend: str, rank: int, w
         options._timeout = timeout
         return dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefixed), rank, world_size, options)
     raise ValueError(f"backend {backend!r} is neither gloo nor nccl")
+
+
+def interface_towards(host: str, port: int) -> str:
+    """The address of this machine's interface that routes to `host` (a UDP connect sends nothing):
+    what a gloo rank must listen on for a peer there to reach it, where the machine's own name may
+    resolve to 127.0.1.1."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0][0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
 
 
 def broadcast_tensors(group: WeightGroup, tensors: list[torch.Tensor]) -> None:

@@ -183,6 +183,23 @@ def _restore_environ(saved: dict[str, str]) -> None:
             del os.environ[key]
 
 
+def sampling_fields(params: SamplingParams, request_id: int) -> dict[str, Any]:
+    """vLLM's `SamplingParams` fields for one request, in-process or sent to a server: the sampled
+    token's log-prob only, no text unless a stop string must be matched, and a seed made distinct
+    per request so a group's samples differ."""
+    return {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_tokens": params.max_new_tokens,
+        "stop_token_ids": list(params.stop_token_ids),
+        "stop": list(params.stop),
+        "seed": None if params.seed is None else params.seed + request_id,
+        "logprobs": 0,
+        "detokenize": bool(params.stop),
+    }
+
+
 @dataclass
 class _Live:
     request: GenerationRequest
@@ -302,18 +319,8 @@ class VLLMGenerationEngine(StreamingEngine):
         from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
-        sampling = VLLMSamplingParams(
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_tokens=params.max_new_tokens,
-            stop_token_ids=list(params.stop_token_ids),
-            stop=list(params.stop),
-            seed=None if params.seed is None else params.seed + request.request_id,  # distinct per request
-            logprobs=0,  # the sampled token's log-prob only
-            detokenize=bool(params.stop),  # text is needed only to match stop strings
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        sampling = VLLMSamplingParams(**sampling_fields(params, request.request_id),
+                                      output_kind=RequestOutputKind.FINAL_ONLY)
         key = str(next(self._ids))
         engine_id = self.engine.add_request(key, tokens_input(list(request.prompt_ids)), sampling)
         live[key] = _Live(request, self.weight_version, engine_id)

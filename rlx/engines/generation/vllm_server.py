@@ -4,14 +4,16 @@ Tokens in, tokens out: `POST /inference/v1/generate` takes the prompt's token id
 sampled ids with their log-probs (`logprobs: 0`, the sampled token's only) and the weight versions
 that sampled them. New weights go through vLLM's online RL API (`/pause?mode=keep`,
 `/start_weight_update`, `/update_weights`, `/finish_weight_update` with the version, `/resume`):
-requests in flight are frozen with their KV cache and continue on the new weights, as in the
-in-process engines. The bytes travel by broadcast in a gloo group this client hosts (rank 0) and
+vLLM preempts the requests in flight and clears its KV and prefix caches, so they go on under the
+new weights with their tokens so far recomputed (the in-process engines keep the old KV instead;
+the reply's version spans say which weights sampled which tokens). The bytes travel by broadcast in a gloo group this client hosts (rank 0) and
 the server's workers join (`rlx_gloo`, `rlx/engines/generation/vllm_transfer.py`), one group
 formed at the first load and reused.
 
 The server must run with what this needs, checked at start with errors that say how:
 - `VLLM_SERVER_DEV_MODE=1` (vLLM serves the RL API only then) and `--enable-scale-out` (the
-  token-in/token-out route);
+  token-in/token-out route). Dev mode's routes (weights, pause, `collective_rpc`) take no API key
+  whatever `--api-key` says: bind the server to loopback or a trusted network (`--host`);
 - the run's `rollout.dtype` (`--dtype`; vLLM's `auto` runs a float32 checkpoint in bfloat16 on
   CPU), as the trainer's log-probs are compared with the server's;
 - `--weight-transfer-config '{"backend": "rlx_gloo"}'`, with rlx installed beside vLLM (its plugin
@@ -30,6 +32,7 @@ server's `--api-key` as `api_key_env` (preferred) or `api_key`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from datetime import timedelta
 from typing import Any
@@ -54,15 +57,17 @@ from rlx.engines.generation.server_client import (
     token_problem,
     vocab_size,
 )
+from rlx.engines.generation.vllm import meta_model, sampling_fields
 from rlx.errors import ConfigError
 from rlx.models import load_tokenizer
 from rlx.weights.broadcast import rendezvous_host, serve_store
 
 OPTIONS = {"url", "api_key", "api_key_env", "timeout_s", "max_concurrency", "weight_chunk_mb", "weight_host"}
 TRANSFER_BACKEND = "rlx_gloo"
-LAUNCH_HINT = ("start it as VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --enable-scale-out --logprobs-mode "
-               f"processed_logprobs --weight-transfer-config '{{\"backend\": \"{TRANSFER_BACKEND}\"}}' "
-               "(rlx installed beside vLLM)")
+MISSING_LOGPROB = -9999.0  # what vLLM writes for a NaN, -inf or absent log-prob
+LAUNCH_HINT = ("start it as VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1 --enable-scale-out "
+               f"--logprobs-mode processed_logprobs --weight-transfer-config '{{\"backend\": \"{TRANSFER_BACKEND}\"}}' "
+               "(rlx installed beside vLLM; dev mode's routes take no API key: keep the server off untrusted networks)")
 
 
 class VLLMServerError(ServerError):
@@ -71,27 +76,13 @@ class VLLMServerError(ServerError):
     kind = "vLLM"
 
 
-def sampling_params_body(params: SamplingParams, request_id: int) -> dict[str, Any]:
-    """vLLM's `sampling_params`: the sampled token's log-prob only, no text unless a stop string
-    must be matched, and a seed made distinct per request so a group's samples differ."""
-    return {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "max_tokens": params.max_new_tokens,
-        "stop_token_ids": list(params.stop_token_ids),
-        "stop": list(params.stop),
-        "seed": None if params.seed is None else params.seed + request_id,
-        "logprobs": 0,
-        "detokenize": bool(params.stop),
-    }
-
-
 def result_from_reply(request: GenerationRequest, reply: Any, weight_version: int, vocab: int | None = None,
                       server: str = "") -> GenerationResult:
     """One `/inference/v1/generate` reply as a GenerationResult, every token checked
-    (`token_problem`); `weight_version` is the version the request was sent under, the last
-    version that sampled a token goes to `extra["last_weight_version"]`."""
+    (`token_problem`, and vLLM's stand-in for a missing or non-finite log-prob refused). The
+    result's version is the one that sampled its first token (the reply's version spans; else
+    `weight_version`, the version the request was sent under); the last one that sampled a token
+    goes to `extra["last_weight_version"]`."""
 
     def malformed(why: str) -> VLLMServerError:
         return VLLMServerError("/inference/v1/generate", 200, f"malformed reply ({why}): {excerpt(str(reply))}", server)
@@ -113,20 +104,23 @@ def result_from_reply(request: GenerationRequest, reply: Any, weight_version: in
     for token_id, entry in zip(token_ids, content):
         logprob = entry.get("logprob") if isinstance(entry, dict) else None
         problem = token_problem(logprob, token_id, vocab)
+        if problem is None and logprob <= MISSING_LOGPROB:
+            problem = f"log-prob {logprob!r} of token {token_id} is vLLM's stand-in for a missing or non-finite one"
         if problem is None and entry.get("token_id") != token_id:
             problem = f"log-prob of token {entry.get('token_id')!r} given for sampled token {token_id}"
         if problem is not None:
             raise malformed(problem)
         logprobs.append(float(logprob))
     spans = choice.get("weight_versions") or []
-    last = parse_version(spans[-1].get("version"), weight_version) if spans else weight_version
+    first, last = ((parse_version(spans[0].get("version"), weight_version),
+                    parse_version(spans[-1].get("version"), weight_version)) if spans else (weight_version,) * 2)
     return GenerationResult(
         request_id=request.request_id,
         prompt_ids=list(request.prompt_ids),
         response_ids=list(token_ids),
         logprobs=logprobs,
         finish_reason=finish,
-        weight_version=weight_version,
+        weight_version=first,
         extra={"last_weight_version": last},
     )
 
@@ -141,7 +135,6 @@ class VLLMServerEngine(ServerEngine):
                  vocab: int | None = None, dtype: str | None = None) -> None:
         """`path`: the model's folder here, which names the weights in the checkpoint's layout;
         `dtype`: the one the server must run (None: any), weights are sent in the server's."""
-        from rlx.engines.generation.vllm import meta_model
 
         super().__init__(url, timeout_s, max_concurrency, api_key)
         self.vocab_size = vocab
@@ -194,33 +187,51 @@ class VLLMServerEngine(ServerEngine):
         version = self.weight_version
         reply = self._call("POST", "/inference/v1/generate", {
             "token_ids": list(request.prompt_ids),
-            "sampling_params": sampling_params_body(params, request.request_id),
+            "sampling_params": sampling_fields(params, request.request_id),
             "output_mode": "tokens",
         })
         return result_from_reply(request, reply, version, self.vocab_size, self.url)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, shared: bool = False) -> None:
-        """Freeze the requests in flight, send the weights in chunks, stamp the version, resume.
-        The names go in the checkpoint's layout (see `VLLMGenerationEngine.load_weights`). A
-        failed update drops the group: the next load forms a new one."""
+        """Pause (vLLM preempts the requests in flight and clears its KV and prefix caches: they go
+        on under the new weights, recomputed), send the weights in chunks, stamp the version,
+        resume. The names go in the checkpoint's layout (see `VLLMGenerationEngine.load_weights`).
+
+        Between `/start_weight_update` and `/finish_weight_update` the server's layers are being
+        replaced, so it is resumed only after an update finished: a failed one is tried once more
+        whole, on a new group; if that fails too the server stays paused (part old, part new
+        weights) and the error says so: the next load sends every weight again."""
         from transformers.core_model_loading import revert_weight_conversion
 
         weights = revert_weight_conversion(self._meta_model, state_dict)
-        if self._group is None:
-            self._group = self._join()
-        self._call("POST", "/pause", params={"mode": "keep"})
+        self._call("POST", "/pause", params={"mode": "keep", "clear_cache": "true"})
         try:
-            self._call("POST", "/start_weight_update")
-            for chunk in tensor_chunks(weights, self.weight_chunk_bytes):
-                self._send(chunk)
-            self._call("POST", "/finish_weight_update", {"weight_version": str(version)})
+            self._update(weights, version)
         except Exception as error:
-            self._group = None
-            error.add_note("the weight transfer group was dropped; the next load forms a new one")
+            error.add_note(f"the vLLM server at {self.url} stays paused: its weights may be part old, part new "
+                           "until a later load sends them whole")
             raise
-        finally:
-            self._call("POST", "/resume")
+        self._call("POST", "/resume")
         self.weight_version = version
+
+    def _update(self, weights: dict[str, torch.Tensor], version: int, tries: int = 2) -> None:
+        """One whole update, tried up to `tries` times; a failure drops the group (its peers may be
+        out of step) and closes the server's open update, so the next try starts clean."""
+        for attempt in range(1, tries + 1):
+            try:
+                if self._group is None:
+                    self._group = self._join()
+                self._call("POST", "/start_weight_update")
+                for chunk in tensor_chunks(weights, self.weight_chunk_bytes):
+                    self._send(chunk)
+                self._call("POST", "/finish_weight_update", {"weight_version": str(version)})
+                return
+            except Exception:
+                self._group = None
+                with contextlib.suppress(VLLMServerError):  # no update open (it failed to start): nothing to close
+                    self._call("POST", "/finish_weight_update", {})
+                if attempt == tries:
+                    raise
 
     def _send(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
         """Announce one chunk's names, dtypes and shapes while broadcasting its tensors in that order."""

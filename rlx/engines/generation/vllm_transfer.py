@@ -22,8 +22,14 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-from rlx.engines.generation.server_client import WeightGroup, broadcast_tensors, process_group
+from rlx.engines.generation.server_client import (
+    WeightGroup,
+    broadcast_tensors,
+    interface_towards,
+    process_group,
+)
 
 BACKEND = "rlx_gloo"
 
@@ -72,10 +78,14 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         self.group: WeightGroup | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        rank = init_info.rank_offset + self.parallel_config.rank
+        """Join at a rank unique over every data-parallel group (as vLLM's `nccl` backend counts),
+        listening on the interface that reaches the client."""
+        parallel = self.parallel_config
+        rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         timeout = timedelta(seconds=init_info.timeout_s)
         store = dist.TCPStore(init_info.master_address, init_info.master_port, is_master=False, timeout=timeout)
-        self.group = process_group(store, init_info.group_name, "gloo", rank, init_info.world_size, timeout)
+        self.group = process_group(store, init_info.group_name, "gloo", rank, init_info.world_size, timeout,
+                                   interface_towards(init_info.master_address, init_info.master_port))
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -94,7 +104,9 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         tensors = [torch.empty(shape, dtype=getattr(torch, dtype))
                    for dtype, shape in zip(update_info.dtype_names, update_info.shapes)]
         broadcast_tensors(self.group, tensors)
-        self.model.load_weights([(name, tensor.to(self.device)) for name, tensor in zip(update_info.names, tensors)])
+        with disable_mtp_completeness_check():  # a chunk holds part of the model, as in vLLM's nccl backend
+            self.model.load_weights([(name, tensor.to(self.device))
+                                     for name, tensor in zip(update_info.names, tensors)])
 
     def shutdown(self) -> None:
         self.group = None
