@@ -55,11 +55,9 @@ class VLLMServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the vLLM server exited with {self.process.returncode} before it served; "
                                    f"its log ends: {self.log.read_text()[-2000:]}")
-            try:
+            with contextlib.suppress(requests.RequestException):  # not listening yet: the poll above says if it died
                 if requests.get(f"{self.url}/weight_info", timeout=5).ok:
                     return self
-            except requests.RequestException:
-                pass
             time.sleep(1.0)
         self.stop()
         raise RuntimeError(f"the vLLM server did not serve within {START_TIMEOUT_S:.0f}s; its log ends: "

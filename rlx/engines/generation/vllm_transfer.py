@@ -15,7 +15,7 @@ rlx registers it in every vLLM process of an environment where rlx is installed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -58,7 +58,7 @@ class GlooUpdateInfo:
 
     names: list[str]
     dtype_names: list[str]
-    shapes: list[list[int]] = field(default_factory=list)
+    shapes: list[list[int]]
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
