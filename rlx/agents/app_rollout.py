@@ -1,12 +1,12 @@
 """Agent-app rollouts: a user's agent program plays each episode through the OpenAI-compatible
-endpoint, and the calls it made become the sample.
+endpoint, and the calls it made become its samples.
 
-The bus hands out prompt groups whole, `rollout.n` samples each, so an episode is one sample: the
-trajectory with the most policy tokens (a chat app that continues its conversation merges all its
-calls into that one). Calls that extend neither it nor each other are recorded and counted
-(`agent_dropped_calls`), not trained. A failed episode (the app raised, hung, returned garbage or
-never called the model) still yields its sample, with the failure in `metadata.env_error`, which
-`reward.name=environment` turns into a failed reward: it is counted and never trained on.
+An episode is one response of its group. Its calls become trajectories by `merge_calls` (a chat app
+that continues its conversation merges all its calls into one); each trajectory is a sample, and
+an episode of several is tagged so that group advantages count it once (`Sample.episode`). A
+failed episode (the app raised, hung, returned garbage or never called the model) still yields its
+samples, with the failure in `metadata.env_error`, which `reward.name=environment` turns into a
+failed reward: it is counted and never trained on.
 """
 
 from __future__ import annotations
@@ -47,17 +47,16 @@ class AgentAppRollout(ConcurrentRollout):
             finally:
                 self._runner = None
 
-    def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
+    def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> list[Trajectory]:
         assert self._runner is not None, "respond runs inside generate's session"
-        return self.episode_trajectory(self._runner.run_episode(app_row(row)), row)
+        return self.episode_trajectories(self._runner.run_episode(app_row(row)), row)
 
-    def episode_trajectory(self, episode: EpisodeResult, row: PromptRow) -> Trajectory:
-        if episode.trajectories:
-            main = max(episode.trajectories, key=lambda t: sum(t.loss_mask))
-            main.dropped_calls = len(episode.trajectories) - 1
-        else:  # nothing to train on: the sample only carries the failure
+    def episode_trajectories(self, episode: EpisodeResult, row: PromptRow) -> list[Trajectory]:
+        trajectories = episode.trajectories
+        if not trajectories:  # nothing to train on: the sample only carries the failure
             prompt = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
-            main = Trajectory(self.chat.prompt_ids(prompt), finish_reason="no_calls")
+            trajectories = [Trajectory(self.chat.prompt_ids(prompt), finish_reason="no_calls")]
         if not episode.ok:
-            main.env_reward, main.env_error = None, f"{episode.failure}: {episode.error}"
-        return main
+            for trajectory in trajectories:
+                trajectory.env_reward, trajectory.env_error = None, f"{episode.failure}: {episode.error}"
+        return trajectories

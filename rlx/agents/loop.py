@@ -43,15 +43,17 @@ class TurnLimits:
 
 class ConcurrentRollout(Rollout, abc.ABC):
     """Runs every response (a trajectory, an episode) on a thread of its own against one EngineLoop,
-    and yields each as a Sample when it ends (`generate` has Rollout's contract)."""
+    and yields its samples when it ends. `generate` has Rollout's contract, except that an episode
+    of several trajectories yields them all, numbered by `Sample.episode` (see `episode_samples`)."""
 
     def __init__(self, engine, tokenizer, concurrency: int) -> None:
         super().__init__(engine, tokenizer)
         self.concurrency = concurrency
 
     @abc.abstractmethod
-    def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
-        """One whole response to `row`."""
+    def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> list[Trajectory]:
+        """One whole response to `row` (an episode): its trajectories, at least one. Each becomes a
+        sample; an episode's samples share its reward and count as one response of the group."""
 
     @contextlib.contextmanager
     def session(self, loop: EngineLoop, params: SamplingParams) -> Iterator[None]:
@@ -67,9 +69,8 @@ class ConcurrentRollout(Rollout, abc.ABC):
 
         def start(new_groups: list[Group]) -> None:
             for group_id, row, _ in new_groups:
-                for _ in range(n):
-                    uid = next(self._uids)
-                    running[pool.submit(self.respond, loop, row, params)] = (uid, group_id, row)
+                for episode in range(n):
+                    running[pool.submit(self.respond, loop, row, params)] = (episode, group_id, row)
 
         try:
             with self.session(loop, params):
@@ -77,8 +78,8 @@ class ConcurrentRollout(Rollout, abc.ABC):
                 while running:
                     done, _ = wait(running, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
                     for future in done:
-                        uid, group_id, row = running.pop(future)
-                        yield trajectory_sample(uid, group_id, row, future.result())
+                        episode, group_id, row = running.pop(future)
+                        yield from self.episode_samples(episode, group_id, row, future.result())
                     if between_steps is not None:
                         loop.run_on_engine_thread(between_steps)
                     free = self.concurrency - len(running)
@@ -89,6 +90,16 @@ class ConcurrentRollout(Rollout, abc.ABC):
             for future in running:
                 future.cancel()
             pool.shutdown(wait=True)
+
+    def episode_samples(self, episode: int, group_id: int, row: PromptRow,
+                        trajectories: list[Trajectory]) -> list[Sample]:
+        """One sample per trajectory, each tagged with the episode's number in its group and its
+        sample count: an episode of several (an agent app whose calls do not all continue one
+        conversation) counts once in group advantages, and the bus knows when its group is whole."""
+        samples = [trajectory_sample(next(self._uids), group_id, row, t) for t in trajectories]
+        for sample in samples:
+            sample.episode, sample.episode_rows = episode, len(samples)
+        return samples
 
 
 class AgentRollout(ConcurrentRollout):
@@ -103,13 +114,13 @@ class AgentRollout(ConcurrentRollout):
         probe.close()
         self.template_check = check_template(self.chat)  # reported at start-up; see rlx.agents.chat
 
-    def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
+    def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> list[Trajectory]:
         try:
             env = self.environments()
         except Exception as error:  # noqa: BLE001 - user environment code (or its process); the sample carries it
-            return self._not_started(row, "start", error)
+            return [self._not_started(row, "start", error)]
         try:
-            return self._play(env, loop, row, params)
+            return [self._play(env, loop, row, params)]
         finally:
             env.close()
 
@@ -186,6 +197,5 @@ def trajectory_sample(uid: int, group_id: int, row: PromptRow, trajectory: Traje
 def trajectory_stats(trajectory: Trajectory) -> dict:
     """What the trainer's metrics need of a trajectory (a bus field: JSON-safe)."""
     return {"turns": trajectory.turns, "masked_tokens": trajectory.masked_tokens,
-            "dropped_calls": trajectory.dropped_calls,
             "tool_calls": [[c.tool, c.outcome, round(c.latency_s, 4)] for c in trajectory.tool_calls]}
 

@@ -41,7 +41,6 @@ class Trajectory:
     final_text: str = ""  # the last policy turn as text: what the reward reads
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     env_reward: float | None = None  # a reward the environment gave at the end, if it gives one
-    dropped_calls: int = 0  # agent apps: calls of the episode that extend no trajectory kept for training
     env_error: str | None = None  # why the episode failed (an agent app that raised, hung, returned garbage)
     routed_experts: Any = None  # MoE: experts per position, each from the first forward that computed it
 

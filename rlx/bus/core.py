@@ -45,7 +45,7 @@ class BusIndex:
         self.live_per_group: Counter = Counter()  # rows on the bus now, per group
         # fields stored once per group and read by each of its rows (scope "group": e.g. media inputs)
         self.group_values: dict[int, dict[str, Any]] = {}
-        self.group_rows: dict[int, int] = {}  # how many rows each group with shared fields will have
+        self.group_rows: dict[int, int] = {}  # rows a group will have, where its producer declared them
         # per task seen so far: the rows it has not consumed, so a take never scans consumed rows
         self.open: dict[str, dict[int, None]] = {}
 
@@ -95,7 +95,9 @@ class BusIndex:
     def add_group_fields(self, group_id: int, values: dict[str, Any], rows: int) -> None:
         """Fields shared by the group's `rows` rows, stored once: put them before the group's rows
         (a row is ready for a task only once its group's fields are here too). They leave with the
-        last of those rows, or when the group is abandoned."""
+        last of those rows, or when the group is abandoned. `rows` also tells group samplers when
+        the group is whole: a producer whose groups vary in size raises it before adding the rows
+        beyond it (`values` may be empty)."""
         self.group_values.setdefault(group_id, {}).update(values)
         self.group_rows[group_id] = rows
 
@@ -114,7 +116,8 @@ class BusIndex:
     def ready(self, task: str, fields: list[str]) -> list[Candidate]:
         """Rows that have every field in `fields` and that `task` has not consumed, oldest first."""
         ready = [self.rows[r] for r in self._unconsumed(task) if all(self._has(self.rows[r], f) for f in fields)]
-        return [Candidate(r.row_id, r.group_id, r.num_tokens) for r in sorted(ready, key=lambda r: r.created_at)]
+        return [Candidate(r.row_id, r.group_id, r.num_tokens, self.group_rows.get(r.group_id))
+                for r in sorted(ready, key=lambda r: r.created_at)]
 
     def take(
         self, task: str, fields: list[str], batch_size: int, sampler: Sampler | None = None, partial: bool = False,
@@ -167,9 +170,10 @@ class BusIndex:
         return released
 
     def abandon_incomplete_groups(self, group_ids: list[int], group_size: int) -> list[int]:
-        """A producer died: drop the rows of those of `group_ids` that never got all `group_size`
-        rows (a partial group would bias group statistics). Returns the groups dropped."""
-        incomplete = {g for g in group_ids if self.rows_per_group[g] < group_size}
+        """A producer died: drop the rows of those of `group_ids` that never got all their rows
+        (`group_size`, or as declared): a partial group would bias group statistics. Returns the
+        groups dropped."""
+        incomplete = {g for g in group_ids if self.rows_per_group[g] < self.group_rows.get(g, group_size)}
         rows = [r.row_id for r in self.rows.values() if r.group_id in incomplete]
         self.clear(rows)
         for group in incomplete:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -23,9 +24,10 @@ class StreamingDataLoader:
     def __init__(self, bus: BusLike, task: str, fields: list[str], micro_batch_size: int, rows_per_step: int,
                  timeout: float | None = None, sampler: SamplerSpec | None = None,
                  should_stop: Callable[[], bool] = lambda: False,
-                 counts: Callable[[dict[str, list]], int] | None = None, max_rows: int | None = None) -> None:
+                 counts: Callable[[dict[str, list]], float] | None = None, max_rows: int | None = None) -> None:
         """A step is `rows_per_step` rows, or, with `counts`, rows until `counts(values)` of each micro-batch
-        add up to `rows_per_step` (e.g. only trainable rows count) or `max_rows` rows went by."""
+        add up to `rows_per_step` (e.g. only trainable rows count, or rows count in shares of their
+        episode) or `max_rows` rows went by."""
         self.bus, self.task, self.fields = bus, task, fields
         self.micro_batch_size, self.rows_per_step = micro_batch_size, rows_per_step
         self.timeout, self.sampler, self.should_stop = timeout, sampler, should_stop
@@ -44,9 +46,10 @@ class StreamingDataLoader:
                 return self.bus.get(self.task, self.fields, batch_size, 0.0, self.sampler)
 
     def __iter__(self) -> Iterator[tuple[list[int], dict[str, list]]]:
-        remaining, seen = self.rows_per_step, 0
+        remaining, seen = float(self.rows_per_step), 0
         while remaining > 0 and (self.max_rows is None or seen < self.max_rows):
-            rows, values = self._next(min(self.micro_batch_size, remaining))
-            remaining -= len(rows) if self.counts is None else self.counts(values)
+            rows, values = self._next(min(self.micro_batch_size, math.ceil(remaining)))
+            # rounded: shares of an episode (thirds) must add up to whole rows exactly
+            remaining = round(remaining - (len(rows) if self.counts is None else self.counts(values)), 9)
             seen += len(rows)
             yield rows, values

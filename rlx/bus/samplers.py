@@ -11,6 +11,7 @@ class Candidate:
     row_id: int
     group_id: int
     num_tokens: int
+    group_rows: int | None = None  # rows its group will have, when declared (else the sampler's group size)
 
 
 class Sampler(Protocol):
@@ -28,7 +29,9 @@ class SequentialSampler:
 
 
 class GroupSampler:
-    """Whole groups only: all `group_size` responses of a prompt travel together, never split."""
+    """Whole groups only: all responses of a prompt travel together, never split. A group has
+    `group_size` rows unless its producer declared another count (an agent app's episode may make
+    several samples); `batch_size` asks for `batch_size // group_size` groups, whatever their rows."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
@@ -37,9 +40,11 @@ class GroupSampler:
         if batch_size % self.group_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of the group size {self.group_size}")
         members: dict[int, list[int]] = {}
+        expected: dict[int, int] = {}
         for c in candidates:
             members.setdefault(c.group_id, []).append(c.row_id)
-        complete = [rows for rows in members.values() if len(rows) == self.group_size]
+            expected[c.group_id] = c.group_rows or self.group_size
+        complete = [rows for group, rows in members.items() if len(rows) == expected[group]]
         wanted = batch_size // self.group_size
         if len(complete) < wanted and not partial:
             return []

@@ -26,6 +26,9 @@ class Sample:
     routed_experts: Any = None  # MoE: the experts the engine chose per position (int16 tensor, rlx.models.moe)
     media_inputs: dict[str, Any] | None = None  # the prompt's media as model inputs: one object per group
     agent_stats: dict[str, Any] | None = None  # multi-turn rollouts: turns, tool calls, masked tokens
+    # an episode that made several samples (agent apps): its number within the group, and how many
+    episode: int | None = None
+    episode_rows: int = 1
     reward: float | None = None
     reward_error: str | None = None
     advantage: float | None = None

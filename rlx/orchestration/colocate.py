@@ -48,28 +48,28 @@ def score_new_samples(workers: Workers, timer: PhaseTimer) -> None:
             workers.by_task[task].drain()
 
 
-def generate_step(workers: Workers, config: RunConfig, timer: PhaseTimer) -> int:
+def generate_step(workers: Workers, config: RunConfig, timer: PhaseTimer) -> tuple[int, int]:
     """Generate and score one step's groups; with dynamic sampling, replace the groups dropped for
-    equal rewards until the step has `prompts_per_step` useful ones or hits the cap. Returns groups made."""
+    equal rewards until the step has `prompts_per_step` useful ones or hits the cap. Returns the
+    groups and the rows made (`n` per group, more where an agent app's episode made several samples)."""
     wanted, algorithm = config.rollout.prompts_per_step, config.algorithm
     cap = int(wanted * algorithm.max_groups_per_step) if algorithm.dynamic_sampling else wanted
-    made, dropped_before = 0, workers.advantages.dropped_groups
+    made, rows, dropped_before = 0, 0, workers.advantages.dropped_groups
     while made < cap:
         count = min(wanted - (made - (workers.advantages.dropped_groups - dropped_before)), cap - made)
         if count <= 0:
             break
         with timer("rollout"):
-            workers.rollout.generate(count)
+            rows += workers.rollout.generate(count)
         made += count
         score_new_samples(workers, timer)
-    return made
+    return made, rows
 
 
 def train_one_step(workers: Workers, config: RunConfig) -> dict[str, float]:
     """Generate one step's groups, then score, advantage, (reference) and train them, in order."""
     timer = PhaseTimer()
-    groups = generate_step(workers, config, timer)
-    rows = groups * config.rollout.n
+    groups, rows = generate_step(workers, config, timer)
     with timer("train"):
         metrics = workers.actor.train_step(rows)
     del metrics["finished_at"]  # the async driver's clock; this loop times its steps itself

@@ -22,10 +22,12 @@ def evaluate(rollout: Rollout, reward: Reward, rows: list[PromptRow], encode: Ca
     start = time.perf_counter()
     groups = [(-1 - i, row, encode(row)) for i, row in enumerate(rows)]
     samples = reward.score(list(rollout.generate(groups, 1, params)))
+    # per row: an agent app's episode of several samples (one reward) counts once, in shares
+    shares = [1 / s.episode_rows for s in samples]
     return {
-        "eval_accuracy": sum(s.reward >= 1.0 for s in samples) / len(samples),
-        "eval_reward_mean": sum(s.reward for s in samples) / len(samples),
-        "eval_reward_failed": float(sum(s.reward_error is not None for s in samples)),
+        "eval_accuracy": sum(w for w, s in zip(shares, samples) if s.reward >= 1.0) / len(rows),
+        "eval_reward_mean": sum(w * s.reward for w, s in zip(shares, samples)) / len(rows),
+        "eval_reward_failed": float(round(sum(w for w, s in zip(shares, samples) if s.reward_error is not None), 6)),
         "eval_response_length": sum(len(s.response_ids) for s in samples) / len(samples),
         "time_eval_s": time.perf_counter() - start,
         **{f"eval_{name}": value for name, value in agent_metrics(samples).items()},

@@ -60,6 +60,11 @@ def _uses_actor_fwd(c: RunConfig) -> bool:
     return c.train.mode == "async" and c.algorithm.resolved_correction == "decoupled"
 
 
+def _episodes_vary(c: RunConfig) -> bool:
+    """An agent app's episode may make several samples (`rlx.agents.app_rollout`)."""
+    return c.rollout.agent_app is not None
+
+
 FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("group_id", ROLLOUT, ALL_CONSUMERS, "int64"),
     FieldSpec("prompt_ids", ROLLOUT, TOKEN_CONSUMERS, "int64", ("P",)),
@@ -67,6 +72,8 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("rollout_logprobs", ROLLOUT, ("advantages", "train"), "float32", ("T",)),
     FieldSpec("loss_mask", ROLLOUT, ("critic_train", "train"), "float32", ("T",)),
     FieldSpec("agent_stats", ROLLOUT, ("train",), "json"),
+    FieldSpec("episode", ROLLOUT, ("advantages",), "int64", present_when=_episodes_vary),
+    FieldSpec("episode_rows", ROLLOUT, ("critic_train", "train"), "int64", present_when=_episodes_vary),
     FieldSpec("routed_experts", ROLLOUT, ("reference", "actor_fwd", "train"), "int16", ("S", "L", "K"),
               present_when=lambda c: c.routing_replay == "r3"),
     FieldSpec("media_inputs", ROLLOUT, TOKEN_CONSUMERS, "media", scope="group",

@@ -85,7 +85,8 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
         "agent_cut_fraction": sum(s.finish_reason in CUT_REASONS
                                   for s in samples if s.agent_stats is not None) / len(stats),
         "agent_masked_token_fraction": sum(entry["masked_tokens"] for entry in stats) / max(1, tokens),
-        "agent_dropped_calls": float(sum(entry.get("dropped_calls", 0) for entry in stats)),
+        # agent apps: an episode whose calls do not all continue one conversation makes several samples
+        "agent_samples_per_episode": len(stats) / sum(1 / s.episode_rows for s in samples if s.agent_stats is not None),
     }
     if calls:
         metrics["agent_tool_latency_mean_s"] = sum(latency for _, _, latency in calls) / len(calls)

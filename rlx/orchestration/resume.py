@@ -31,13 +31,13 @@ def resume_plan(run_state: Mapping[str, Any], group_size: int, task_outputs: Map
                 retake: frozenset[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(bus snapshot to restore, prompt-source state to resume) from `capture_run_state`'s record.
 
-    Unfinished groups with fewer than `group_size` rows are made again (their rows leave the bus),
+    Unfinished groups with fewer rows than `group_size` (or than their producer declared) are made again (their rows leave the bus),
     as are groups taken after the prompt snapshot;
     every other row returns, handed again to any task whose output (`task_outputs`) it lacks;
     `retake` tasks take every row again (their consumer restarts from older state)."""
     bus, prompts = run_state["bus"], run_state["prompts"]
-    made = bus.get("rows_per_group", {})
-    redo = [g for g in prompts["unfinished"] if made.get(g, 0) < group_size]
+    made, declared = bus.get("rows_per_group", {}), bus.get("group_rows", {})
+    redo = [g for g in prompts["unfinished"] if made.get(g, 0) < declared.get(g, group_size)]
     # groups first handed out after the prompt snapshot: the resumed source hands them out again
     # from its position, so their rows leave the bus (else the group would be made twice)
     late = [g for g in made if g >= prompts["position"]]

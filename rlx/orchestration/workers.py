@@ -7,9 +7,10 @@ own thread in its own service (async mode calls `run_forever`). Roles stay unawa
 from __future__ import annotations
 
 import abc
+import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -172,6 +173,13 @@ class Worker(abc.ABC):
                 "busy_fraction": min(1.0, self.busy_s / elapsed), "error": self.error}
 
 
+def response_shares(values: dict[str, list], rows: int) -> list[float]:
+    """Each row's share of a response of its group: 1, or 1/k for each of the k samples of an agent
+    app's episode. Steps count responses, so a step takes `prompts_per_step` groups' worth whatever
+    their rows (the staleness gate admits groups per version)."""
+    return [1 / k for k in values["episode_rows"]] if "episode_rows" in values else [1.0] * rows
+
+
 class RewardWorker(Worker):
     """Scores samples concurrently and writes each reward as soon as it is known, so one slow
     reward call delays only its own unit (a sample, a group, or a judge's batch), never the rest.
@@ -279,7 +287,7 @@ class CriticWorker(Worker):
         self.value_inputs, self.train_inputs = value_inputs, train_inputs
         self.lock = threading.RLock()  # a checkpoint asked from outside waits for the current unit of work
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
-        self.remaining: int | None = None  # rows left in the open training step
+        self.remaining: float | None = None  # responses left in the open training step (`response_shares`)
         self.reports = StepReports()
         self.checkpoints = checkpoints
 
@@ -294,8 +302,8 @@ class CriticWorker(Worker):
         if self.remaining is None:
             self.role.begin_step()
             self.remaining = self.rows_per_step
-        rows, values = self._poll("critic_train", self.train_inputs, min(self.micro_batch_size, self.remaining),
-                                  partial=True)
+        rows, values = self._poll("critic_train", self.train_inputs,
+                                  min(self.micro_batch_size, math.ceil(self.remaining)), partial=True)
         if not rows:
             return 0
         trainable = [s for s in to_samples(rows, values) if s.filter_reason is None]
@@ -303,7 +311,7 @@ class CriticWorker(Worker):
             self._timed(lambda: self.role.accumulate(trainable), "train", step=self.role.version + 1,
                         rows=len(trainable))
         self.bus.clear_consumed(self.final_tasks)
-        self.remaining -= len(rows)
+        self.remaining = round(self.remaining - sum(response_shares(values, len(rows))), 9)
         if self.remaining <= 0:
             metrics = self._timed(self.role.finish_step, "train", step=self.role.version + 1, phase="optimizer")
             self.remaining = None
@@ -381,6 +389,8 @@ class RolloutWorker(Worker):
         self.refill_dropped, self.consumer = refill_dropped, consumer
         self._version, self._steps, self._dropped = 0, 0, 0
         self._pending: Counter = Counter()  # group id -> samples still to come
+        self._rows: Counter = Counter()  # group id -> its rows, once an episode of several samples grew it
+        self._grown: defaultdict[int, set[int]] = defaultdict(set)  # group id -> episodes that grew it
 
     def _refresh(self, check_dropped: bool = True) -> None:
         self.sync_weights()  # applies a version the subscriber already received: no round trip
@@ -414,16 +424,19 @@ class RolloutWorker(Worker):
         with SPANS.span("generate", self.name, groups=len(groups)) as span:  # a whole stream: async, one per run
             for sample in self.role.generate(groups, self.n, params, more_groups=self.admit if continuous else None,
                                              between_steps=self._between_steps if continuous else None):
-                if self.group_fields and self._pending[sample.group_id] == self.n:  # the group's first sample
-                    self.bus.put_group(sample.group_id, {name: getattr(sample, name) for name in self.group_fields},
+                group = sample.group_id
+                if self.group_fields and self._pending[group] == self.n:  # the group's first sample
+                    self.bus.put_group(group, {name: getattr(sample, name) for name in self.group_fields},
                                        rows=self.n)
-                self.bus.put({name: [getattr(sample, name)] for name in self.fields}, group_ids=[sample.group_id],
+                self._grow(sample)
+                self.bus.put({name: [getattr(sample, name)] for name in self.fields}, group_ids=[group],
                              num_tokens=[sample_tokens(sample)])
-                self._pending[sample.group_id] -= 1
-                if self._pending[sample.group_id] == 0:
-                    del self._pending[sample.group_id]
+                self._pending[group] -= 1
+                if self._pending[group] == 0:
+                    del self._pending[group], self._rows[group]  # a Counter's del skips a missing key
+                    self._grown.pop(group, None)
                     self.bus.flush()  # the group is reported done only once the bus has all of it
-                    self.source.finished(self.consumer, [sample.group_id])
+                    self.source.finished(self.consumer, [group])
                 produced += 1
                 self.items += 1
                 now = time.monotonic()
@@ -431,6 +444,16 @@ class RolloutWorker(Worker):
             span.args["samples"] = produced
         self.busy_s += time.monotonic() - mark
         return produced
+
+    def _grow(self, sample: Sample) -> None:
+        """The first sample of an episode that made several: its group has that many rows more, on
+        the bus before they come, so no group sampler takes the group as whole at `n` rows."""
+        group = sample.group_id
+        if sample.episode_rows > 1 and sample.episode not in self._grown[group]:
+            self._grown[group].add(sample.episode)
+            self._pending[group] += sample.episode_rows - 1
+            self._rows[group] = (self._rows[group] or self.n) + sample.episode_rows - 1
+            self.bus.put_group(group, {}, rows=self._rows[group])
 
     def generate(self, num_groups: int) -> int:
         """Colocated mode: sample exactly `num_groups` new groups (admission is the caller's business)."""
@@ -475,11 +498,17 @@ class ActorWorker(Worker):
 
     def _loader(self, rows: int | None) -> StreamingDataLoader:
         dynamic = rows is None and self.dynamic_max_rows is not None
+
+        def counts(values: dict[str, list]) -> float:
+            """Responses, in shares (see `response_shares`); with dynamic sampling trainable ones only."""
+            shares = response_shares(values, len(values["filter_reason"]))
+            return sum(share for share, reason in zip(shares, values["filter_reason"]) if reason is None or not dynamic)
+
+        varying = rows is None and "episode_rows" in self.fields
         return StreamingDataLoader(
             self.bus, "train", self.fields, self.micro_batch_size, rows or self.rows_per_step,
             timeout=self.timeout_s, should_stop=lambda: not self.beat(),
-            counts=(lambda values: sum(r is None for r in values["filter_reason"])) if dynamic else None,
-            max_rows=self.dynamic_max_rows if dynamic else None)
+            counts=counts if dynamic or varying else None, max_rows=self.dynamic_max_rows if dynamic else None)
 
     def train_step(self, rows: int | None = None) -> dict[str, float]:
         """One optimizer step; `rows` fixes how many rows it takes (colocated mode knows what it made)."""
@@ -521,8 +550,9 @@ class ActorWorker(Worker):
         metrics["finished_at"] = time.time()  # the driver collects steps every few seconds: time them here
         metrics.update(batch_metrics(seen, version), trained_samples=float(trained),
                        **{f"filtered_{reason}": float(count) for reason, count in filtered.items()})
-        self.samples_per_group.update(s.group_id for s in seen)
-        metrics["total_samples_duplicated"] = float(sum(max(0, c - self.group_size)
+        for sample in seen:  # in responses: an episode of several samples counts once, in shares
+            self.samples_per_group[sample.group_id] += 1 if sample.episode_rows == 1 else 1 / sample.episode_rows
+        metrics["total_samples_duplicated"] = float(sum(max(0.0, round(c - self.group_size, 6))
                                                         for c in self.samples_per_group.values()))
         self.items += len(seen)
         return metrics

@@ -40,6 +40,21 @@ def unpad(tensor: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
     return [row[m > 0].tolist() for row, m in zip(tensor, mask)]
 
 
+def episodes(samples: list[Sample]) -> tuple[list[int], list[int]]:
+    """(each sample's episode, as an index into the second list; the first sample of each episode).
+    The samples of one episode (`Sample.episode`, agent apps) share its reward; any other sample is
+    an episode of its own."""
+    index_of: dict[tuple[int, int], int] = {}
+    episode_of, firsts = [], []
+    for position, sample in enumerate(samples):
+        key = (sample.group_id, sample.episode) if sample.episode is not None else (-1, position)
+        if key not in index_of:
+            index_of[key] = len(firsts)
+            firsts.append(position)
+        episode_of.append(index_of[key])
+    return episode_of, firsts
+
+
 class Advantages:
     def __init__(self, config: AlgorithmConfig, filter_zero_std: bool | None = None,
                  distill_coef: float | None = None) -> None:
@@ -65,9 +80,11 @@ class Advantages:
             return
         if a.advantage == "none":
             advantages = torch.zeros_like(rewards)
-        else:
-            group_ids = torch.tensor([s.group_id for s in scored])
-            advantages = ADVANTAGE_ESTIMATORS.get(a.advantage)(rewards, group_ids, norm_std=a.norm_std)
+        else:  # over episodes: one that made several samples is one response of its group
+            episode_of, firsts = episodes(scored)
+            group_ids = torch.tensor([scored[i].group_id for i in firsts])
+            per_episode = ADVANTAGE_ESTIMATORS.get(a.advantage)(rewards[firsts], group_ids, norm_std=a.norm_std)
+            advantages = per_episode[episode_of]
         for sample, advantage in zip(scored, advantages.tolist()):
             sample.advantage = advantage
 

@@ -88,13 +88,15 @@ def by_row(base_url: str, api_key: str, row: dict[str, Any]) -> float:
 
 
 def toy_chat(base_url: str, api_key: str, row: dict[str, Any]) -> float:
-    """Two chat turns in one conversation; the reward varies with the final reply. On odd-numbered
-    rows the app fails after its calls (fault injection: its episode must fail alone)."""
+    """Two chat turns in one conversation, then a side call in a fresh one (it continues nothing:
+    a sample of its own); the reward varies with the final reply. On odd-numbered rows the app
+    fails after its calls (fault injection: its episode must fail alone)."""
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": row["prompt"]}]
     first = client.chat.completions.create(model=MODEL, messages=messages).choices[0].message.content or ""
     messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "again"}]
     final = client.chat.completions.create(model=MODEL, messages=messages).choices[0].message.content or ""
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"check: {final}"}])
     if row["metadata"]["index"] % 2:
         raise RuntimeError("this episode's app fails")
     return (zlib.crc32(final.encode()) % 1000) / 1000

@@ -39,20 +39,27 @@ def test_a_multi_turn_run_trains_on_policy_tokens_only(tiny_path, tmp_path, mode
     assert sum(r["trained_samples"] for r in steps) > 0 and all("loss" in r for r in steps if r["trained_samples"])
 
 
-def test_an_agent_app_run_trains_on_the_calls_its_episodes_made(tiny_path, tmp_path):
+@pytest.mark.parametrize("mode", ["colocate", "async"])
+def test_an_agent_app_run_trains_on_every_call_its_episodes_made(tiny_path, tmp_path, mode):
     config = toy_config(tiny_path, tmp_path, train__steps=2, rollout__prompts_per_step=4, rollout__n=4,
                         rollout__agent_app="tests.integration.agent_apps:toy_chat", reward__name="environment",
-                        train__eval_every=0)
-    steps = [r for r in read_metrics(run_colocate(config, echo=lambda _: None)) if "reward_mean" in r]
+                        train__eval_every=0, train__mode=mode, train__max_staleness=1)
+    run_dir = (run_colocate if mode == "colocate" else run_async)(config, echo=lambda _: None)
+    steps = [r for r in read_metrics(run_dir) if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for record in steps:
-        # each episode made 2 calls: merged into one trajectory where the second prompt extends the first
-        # call token for token; else one is kept and the other counted (a tiny-char turn that ended in
-        # <eos> does not: its template writes no <eos>, so the re-sent history differs from the tokens)
-        assert record["agent_turns_mean"] > 1.0
-        assert record["agent_turns_mean"] * 16 + record["agent_dropped_calls"] == 32
+        # each episode made 3 calls: a side call that continues nothing is a sample of its own; the
+        # chat's second call continues the first where its prompt extends that call token for token,
+        # else it is a sample too (a tiny-char turn that ended in <eos> does not: its template
+        # writes no <eos>, so the re-sent history differs from the tokens)
+        assert 2.0 <= record["agent_samples_per_episode"] <= 3.0
+        rows = sum(v for k, v in record.items() if k.startswith("staleness_") and k[10:].isdigit())
+        assert record["trained_samples"] <= rows - record["reward_failed"]
+        if mode == "colocate":  # a step is its 16 episodes, every call of them
+            assert rows == pytest.approx(16 * record["agent_samples_per_episode"])
+            assert record["agent_turns_mean"] * rows == pytest.approx(16 * 3)
         assert 0.0 < record["agent_masked_token_fraction"] < 1.0
-        # the app fails on odd-numbered prompts: all 4 episodes of such a prompt fail, and only they
-        assert record["reward_failed"] % 4 == 0
-        assert record["trained_samples"] <= 16 - record["reward_failed"]
+    # the app fails on odd-numbered prompts (all their episodes, and only theirs); no response
+    # reached the trainer twice (a step counts an episode's samples in shares of one response)
+    assert steps[-1]["total_samples_duplicated"] == 0
     assert sum(r["reward_failed"] for r in steps) > 0 and sum(r["trained_samples"] for r in steps) > 0
