@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     from rlx.config import DataConfig, MediaLimits
     from rlx.data.rows import PromptRow
     from rlx.media.loading import MediaItem
+    from rlx.media.video import SampledVideo
 
-# a video item -> its (sampled) frames, uint8 [H, W, 3] each
-VideoLoader = Callable[["MediaItem", "MediaLimits", str], list[np.ndarray]]
+# a video item -> its sampled frames and the time between two of them
+VideoLoader = Callable[["MediaItem", "MediaLimits", str], "SampledVideo"]
 QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 AUDIO_MODEL_TYPES = ("audioflamingo3",)
 # the input that carries each video's seconds per temporal patch, where the family's positions use it
@@ -93,20 +94,19 @@ class QwenVLProcessor:
     by `load_video` (default `rlx.media.video.load_video`), frames already sampled."""
 
     def __init__(self, config: Any, limits: MediaLimits, load_video: VideoLoader | None = None,
-                 image_pixels: tuple[int, int] | None = None, fps: float = 2.0) -> None:
-        """`load_video`: default `rlx.media.video.load_video` with its default sampling;
-        `image_pixels`: (min, max) pixels of a resized image, default the family's; `fps`: the frames per
-        second videos are sampled at, which places their temporal patches in time (Qwen2.5-VL, Omni)."""
+                 image_pixels: tuple[int, int] | None = None) -> None:
+        """`load_video`: default `rlx.media.video.load_video` with its default sampling (the rate it
+        sampled places a video's temporal patches in time: Qwen2.5-VL, Omni); `image_pixels`: (min,
+        max) pixels of a resized image, default the family's."""
         from rlx.media.qwen_vl import QwenVisionSpec
 
         bounds = {"min_pixels": image_pixels[0], "max_pixels": image_pixels[1]} if image_pixels else {}
         self.spec = QwenVisionSpec.from_model_config(config, **bounds)
         self.limits, self._load_video = limits, load_video
         self.placeholder_ids = {"image": self.spec.image_token_id, "video": self.spec.video_token_id}
-        self.seconds_per_grid = self.spec.temporal_patch_size / fps
         self._seconds_input = SECONDS_PER_GRID_INPUT.get(config.model_type)
 
-    def _video(self, item: MediaItem, where: str) -> list[np.ndarray]:
+    def _video(self, item: MediaItem, where: str) -> SampledVideo:
         if self._load_video is None:
             from rlx.media.video import load_video
 
@@ -125,11 +125,12 @@ class QwenVLProcessor:
         videos = [self._video(item, row.source) for item in row.media.get("video", ())]
         try:
             inputs = {**(image_inputs(images, self.spec) if images else {}),
-                      **(video_inputs(videos, self.spec) if videos else {})}
+                      **(video_inputs([video.frames for video in videos], self.spec) if videos else {})}
         except ValueError as exc:  # an image or video the family refuses (aspect ratio, too few frames)
             raise DataError(f"{row.source}: {exc}") from None
         if videos and self._seconds_input:
-            inputs[self._seconds_input] = torch.full((len(videos),), self.seconds_per_grid)
+            inputs[self._seconds_input] = torch.tensor([self.spec.temporal_patch_size * video.seconds_per_frame
+                                                        for video in videos])
         try:
             ids = expand_media(prompt_ids, self.spec, inputs.get("image_grid_thw"), inputs.get("video_grid_thw"))
         except ValueError as exc:
@@ -203,12 +204,12 @@ class QwenOmniProcessor:
     WINDOW_FRAMES = 3000  # 30 s of 10 ms frames: Qwen2.5-Omni's processor pads every clip to it
 
     def __init__(self, config: Any, limits: MediaLimits, load_video: VideoLoader | None = None,
-                 image_pixels: tuple[int, int] | None = None, fps: float = 2.0, sampling_rate: int = 16_000) -> None:
+                 image_pixels: tuple[int, int] | None = None, sampling_rate: int = 16_000) -> None:
         from rlx.media.audio_features import chunked_encoder_tokens, encoder_tokens
 
         _check_whisper_rate(sampling_rate)
-        self.vision = QwenVLProcessor(config, limits, load_video, image_pixels, fps)
-        self.limits, self.seconds_per_grid = limits, self.vision.seconds_per_grid
+        self.vision = QwenVLProcessor(config, limits, load_video, image_pixels)
+        self.limits = limits
         self.n_mels = config.audio_config.num_mel_bins
         self.audio_token_id = config.audio_token_id
         markers = (getattr(config, "audio_start_token_id", None), getattr(config, "audio_end_token_id", None))
@@ -260,13 +261,12 @@ def processor_for(config: Any, data: DataConfig) -> MediaProcessor:
     if config.model_type in (*QWEN_VL_MODEL_TYPES, *OMNI_MODEL_TYPES):
         from rlx.media.video import load_video
 
-        def sampled(item: MediaItem, limits: MediaLimits, where: str) -> list[np.ndarray]:
+        def sampled(item: MediaItem, limits: MediaLimits, where: str) -> SampledVideo:
             return load_video(item, limits, where, data.video)
 
         if config.model_type in OMNI_MODEL_TYPES:
-            return QwenOmniProcessor(config, data.media_limits, sampled, data.image_pixels, data.video.fps,
-                                     data.audio_sampling_rate)
-        return QwenVLProcessor(config, data.media_limits, sampled, data.image_pixels, data.video.fps)
+            return QwenOmniProcessor(config, data.media_limits, sampled, data.image_pixels, data.audio_sampling_rate)
+        return QwenVLProcessor(config, data.media_limits, sampled, data.image_pixels)
     if config.model_type in AUDIO_MODEL_TYPES:
         return WhisperAudioProcessor(config, data.media_limits, data.audio_sampling_rate)
     raise ValueError(f"model type {config.model_type!r} takes no media in rlx (data.media_keys is set): "

@@ -14,12 +14,17 @@ stops at the last time sampled; a stream with more than MAX_SOURCE_FPS frames pe
 declared duration (a header that understates it) is refused.
 
 An array item is frames already sampled: [T, H, W, 3] of uint8 (or integers in 0..255, as JSON
-lists load), taken as they are.
+lists load), taken as they are, at `data.video.fps`.
+
+The result carries the time between two sampled frames, the rate actually sampled: what places a
+video's temporal patches in time (Qwen2.5-VL and the Omni thinkers), so a clip that min_frames made
+denser, or a long video that max_frames made sparser, keeps its true timeline.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,6 +43,12 @@ MAX_SOURCE_FPS = 480  # above any camera's slow-motion rate
 TIME_TOLERANCE = 1e-3  # seconds: a frame stamped this little after a sample time still counts as shown then
 
 
+@dataclass(frozen=True)
+class SampledVideo:
+    frames: list[np.ndarray]  # uint8 RGB [H, W, 3]
+    seconds_per_frame: float  # between two consecutive frames, as sampled
+
+
 def sample_times(seconds: float, fps: float, min_frames: int, max_frames: int) -> np.ndarray:
     """The times (seconds from the first frame) frames are taken at; see the module's rule."""
     count = min(max(math.floor(seconds * fps + 0.5), min_frames), max_frames)
@@ -45,9 +56,9 @@ def sample_times(seconds: float, fps: float, min_frames: int, max_frames: int) -
 
 
 def load_video(item: MediaItem, limits: MediaLimits, where: str,
-               sampling: VideoSampling | None = None) -> list[np.ndarray]:
-    """The item's frames as uint8 RGB [H, W, 3] arrays, sampled as `sampling` (`data.video`; its
-    defaults when None) says; an unsafe or undecodable item raises a DataError naming `where`."""
+               sampling: VideoSampling | None = None) -> SampledVideo:
+    """The item's frames, sampled as `sampling` (`data.video`; its defaults when None) says; an
+    unsafe or undecodable item raises a DataError naming `where`."""
     from rlx.config import VideoSampling
 
     sampling = sampling or VideoSampling()
@@ -55,7 +66,7 @@ def load_video(item: MediaItem, limits: MediaLimits, where: str,
         raise DataError(f"{where}: load_video decodes only videos, not {item.kind}; use "
                         f"{LOADERS[item.kind]}")
     if item.array is not None:
-        return _array_frames(np.asarray(item.array), limits, where)
+        return SampledVideo(_array_frames(np.asarray(item.array), limits, where), 1 / sampling.fps)
     data, what = encoded(item, limits, where)
     with open_container(data, VIDEO_CONTAINERS, where, what) as container:
         if not container.streams.video:
@@ -68,7 +79,8 @@ def load_video(item: MediaItem, limits: MediaLimits, where: str,
         check_seconds(seconds, limits, where, what)
         check_pixels(stream.codec_context.width, stream.codec_context.height, limits, where, "video frame")
         times = sample_times(seconds, sampling.fps, sampling.min_frames, min(sampling.max_frames, limits.max_frames))
-        return _frames_at(container, stream, times, seconds, limits, where, what)
+        frames = _frames_at(container, stream, times, seconds, limits, where, what)
+        return SampledVideo(frames, seconds / len(times) if seconds > 0 else 1 / sampling.fps)
 
 
 def _frames_at(container: av.container.InputContainer, stream: av.video.VideoStream, times: np.ndarray,

@@ -161,8 +161,8 @@ def test_processor_writes_each_item_between_its_markers(omni):
     assert media["input_features"].shape == (1, 128, 3000)
     assert media["feature_attention_mask"].sum().item() == real_frames(int(1.25 * SAMPLING_RATE))
     assert media["video_second_per_grid"].tolist() == [1.0]
-    slow = processor_for(omni.config, DataConfig(video={"fps": 0.5}))
-    assert slow.__class__ is QwenOmniProcessor and slow.seconds_per_grid == 4.0
+    slow = processor_for(omni.config, DataConfig(video={"fps": 0.5}))  # an array's frames: taken at 0.5 fps
+    assert slow([3, I, 4, V, 5, A], row)[1]["video_second_per_grid"].tolist() == [4.0]
 
     with pytest.raises(DataError, match=r"rows.jsonl:1: 2 audio placeholder token\(s\) \(id 127\) .* but 1 audio item"):
         processor([3, I, V, A, A], row)

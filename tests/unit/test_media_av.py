@@ -92,16 +92,17 @@ def test_sample_times_follow_the_rate_within_min_and_max_frames():
 def test_a_video_file_is_sampled_at_two_frames_per_second(tmp_path, limits):
     path = tmp_path / "clip.mp4"
     path.write_bytes(_mp4(CFR, 3.0))
-    frames = load_video(MediaItem("video", path=str(path)), limits, "f.jsonl:1")
-    assert all(frame.shape == (HEIGHT, WIDTH, 3) and frame.dtype == np.uint8 for frame in frames)
-    assert [_index(frame) for frame in frames] == [0, 5, 10, 15, 20, 25]
+    video = load_video(MediaItem("video", path=str(path)), limits, "f.jsonl:1")
+    assert all(frame.shape == (HEIGHT, WIDTH, 3) and frame.dtype == np.uint8 for frame in video.frames)
+    assert [_index(frame) for frame in video.frames] == [0, 5, 10, 15, 20, 25]
+    assert video.seconds_per_frame == pytest.approx(0.5)
 
 
 def test_frames_are_chosen_by_timestamp_not_by_index(limits):
     """20 frames in the first second, then 10 over two seconds: at 0.5 s steps the frames shown are
     not every fifth one."""
     times = [i * 0.05 for i in range(20)] + [1 + i * 0.2 for i in range(10)]
-    frames = load_video(_video(_mp4(times, 3.0)), limits, "f.jsonl:1")
+    frames = load_video(_video(_mp4(times, 3.0)), limits, "f.jsonl:1").frames
     assert [_index(frame) for frame in frames] == [0, 10, 20, 22, 25, 27]
 
 
@@ -110,17 +111,19 @@ def test_bytes_and_a_path_give_the_same_frames(tmp_path, limits):
     (tmp_path / "clip.mp4").write_bytes(data)
     from_path = load_video(MediaItem("video", path=str(tmp_path / "clip.mp4")), limits, "r")
     from_bytes = load_video(_video(data), limits, "r")
-    assert all(np.array_equal(a, b) for a, b in zip(from_path, from_bytes, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(from_path.frames, from_bytes.frames, strict=True))
 
 
-def test_short_and_long_videos_get_min_and_max_frames(limits):
+def test_short_and_long_videos_get_min_and_max_frames_and_say_the_rate_they_took(limits):
     one_second = load_video(_video(_mp4(CFR[:10], 1.0)), limits, "r")
-    assert [_index(frame) for frame in one_second] == [0, 2, 5, 7]  # min_frames=4 at 0, .25, .5, .75 s
+    assert [_index(frame) for frame in one_second.frames] == [0, 2, 5, 7]  # min_frames=4 at 0, .25, .5, .75 s
+    assert one_second.seconds_per_frame == pytest.approx(0.25), "denser than 2 fps, and it says so"
     capped = load_video(_video(_mp4(CFR, 3.0)), limits, "r", VideoSampling(max_frames=4))
-    assert [_index(frame) for frame in capped] == [0, 7, 15, 22]  # 0, .75, 1.5, 2.25 s
+    assert [_index(frame) for frame in capped.frames] == [0, 7, 15, 22]  # 0, .75, 1.5, 2.25 s
+    assert capped.seconds_per_frame == pytest.approx(0.75)
     few = MediaLimits(root=limits.root, max_frames=3)  # the limit caps the sampling too
-    assert [_index(frame) for frame in load_video(_video(_mp4(CFR, 3.0)), few, "r")] == [0, 10, 20]
-    frames = load_video(_video(_mp4([0.0], 0.1)), limits, "r")  # one frame: shown at every time
+    assert [_index(frame) for frame in load_video(_video(_mp4(CFR, 3.0)), few, "r").frames] == [0, 10, 20]
+    frames = load_video(_video(_mp4([0.0], 0.1)), limits, "r").frames  # one frame: shown at every time
     assert len(frames) == 4 and all(_index(frame) == 0 for frame in frames)
 
 
@@ -169,7 +172,7 @@ def test_a_stream_denser_than_any_camera_is_refused(limits):
                                         r"stated 0\.5 s"):
         load_video(_video(data), limits, "r")
     dense_but_real = _mp4([i / 200 for i in range(100)], 0.5, time_base=Fraction(1, 200))  # 200 per second
-    assert len(load_video(_video(dense_but_real), limits, "r")) == 4
+    assert len(load_video(_video(dense_but_real), limits, "r").frames) == 4
 
 
 def test_video_limits_name_the_row_and_the_field(tmp_path, limits):
@@ -192,10 +195,11 @@ def test_video_limits_name_the_row_and_the_field(tmp_path, limits):
 
 def test_a_frame_array_is_taken_as_already_sampled(limits):
     frames = np.stack([_bars(i) for i in range(5)])
-    loaded = load_video(MediaItem("video", array=frames), limits, "r")
-    assert len(loaded) == 5 and all(np.array_equal(a, b) for a, b in zip(loaded, frames))
+    loaded = load_video(MediaItem("video", array=frames), limits, "r", VideoSampling(fps=4.0))
+    assert len(loaded.frames) == 5 and all(np.array_equal(a, b) for a, b in zip(loaded.frames, frames))
+    assert loaded.seconds_per_frame == 0.25, "an array is frames already sampled at data.video.fps"
     as_json = load_video(MediaItem("video", array=frames.astype(np.int64)), limits, "r")  # JSON lists load as int64
-    assert all(frame.dtype == np.uint8 and np.array_equal(frame, b) for frame, b in zip(as_json, frames))
+    assert all(frame.dtype == np.uint8 and np.array_equal(frame, b) for frame, b in zip(as_json.frames, frames))
     with pytest.raises(DataError, match=r"^r: a video array of 5 frames is more than "
                                         r"data\.media_limits\.max_frames=4"):
         load_video(MediaItem("video", array=frames), MediaLimits(max_frames=4), "r")
