@@ -27,8 +27,8 @@ class Trainable:
         return self.engine.weights()
 
     def publish(self, publisher: WeightPublisher, rollback: bool = False) -> dict[str, float]:
-        """This version's weights through DCS (timings in seconds)."""
-        return publisher.publish(self.weights(), self.version, rollback)
+        """This version's weights through DCS (timings in seconds); frozen ones are put once."""
+        return publisher.publish(self.weights(), self.version, rollback, frozen=self.engine.frozen_weights())
 
     def weight_buckets(self, bucket_bytes: int) -> tuple[list[Bucket], list]:
         """On a rank of a group (a sharded engine): the whole weights into the object store, bucket

@@ -40,6 +40,7 @@ class Version:
     refs: list  # one ObjectRef per bucket
     published_at: float
     broadcast: dict | None = None  # {"host", "port", "epoch", "ranks": {subscriber: rank}}
+    unchanged: int = 0  # leading buckets that are the same objects as the version before's (never broadcast)
     acks: dict[str, float] = field(default_factory=dict)  # subscriber -> seconds from publish to loaded
 
 
@@ -83,7 +84,7 @@ class WeightCoordinator:
 
     # publishers
     async def publish(self, version: int, layout: list[Bucket], refs: list, broadcast: dict | None = None,
-                      rollback: bool = False) -> dict:
+                      rollback: bool = False, unchanged: int = 0) -> dict:
         """Record `version` (ignored unless newer, or `rollback`). With `broadcast` (host, port),
         returns the epoch and ranks of the live broadcast subscribers that must receive it."""
         if version <= self.latest and not rollback:
@@ -97,7 +98,8 @@ class WeightCoordinator:
         if broadcast is not None:
             broadcast = {**broadcast, **self._broadcast_group()}
         self.serial += 1
-        self.versions[version] = Version(version, self.serial, layout, list(refs), time.monotonic(), broadcast)
+        self.versions[version] = Version(version, self.serial, layout, list(refs), time.monotonic(), broadcast,
+                                         unchanged)
         self.latest = version
         self._release()
         await self._notify()
@@ -140,7 +142,7 @@ class WeightCoordinator:
         self._seen(name)
         record = self.versions[self.latest]
         return {"version": record.version, "position": (self.incarnation, record.serial), "layout": record.layout,
-                "refs": record.refs, "broadcast": record.broadcast}
+                "refs": record.refs, "broadcast": record.broadcast, "unchanged": record.unchanged}
 
     async def ack(self, name: str, version: int, load_s: float | None = None) -> None:
         record = self.versions.get(version)

@@ -5,7 +5,11 @@ the channel settings). `publisher()` and `subscriber()` build the two ends. Call
 coordinator retry while Serve replaces a lost coordinator, for up to `timeout_s`.
 
 Every version goes to the object store in buckets, so a new or restarted engine can always pull
-the latest version, never a checkpoint from disk. The buckets belong to the publishing process
+the latest version, never a checkpoint from disk. Tensors the trainer never changes (`train.trainable` froze them: a language model under a
+trained adapter) sit in buckets of their own, put into the object store once and named again in
+every later version; only the other buckets are put (and broadcast) each step.
+
+The buckets belong to the publishing process
 (Ray 2.56 removed `ray.put(_owner=...)`, and routing 500 MB through the coordinator would cost a
 copy): if the Actor dies its versions go with it, and engines wait for the recovered Actor to
 publish again. On the `gloo`
@@ -207,7 +211,8 @@ class WeightPublisher:
 
     def __init__(self, sync: WeightSync, refill: bool = False) -> None:
         self.sync = sync
-        self._layout: tuple[tuple, list[Bucket]] | None = None
+        self._layout: tuple[tuple, list[Bucket], int] | None = None  # key, buckets, how many hold frozen tensors
+        self._frozen_refs: tuple[tuple, list] | None = None  # layout key, refs of the frozen buckets
         self._group: BroadcastGroup | None = None
         self._store = None
         if sync.channel != "object-store":
@@ -241,22 +246,33 @@ class WeightPublisher:
                 if not self._closed.is_set():
                     log.warning("weight publisher: %s", error)
 
-    def layout(self, state_dict: StateDict) -> list[Bucket]:
-        key = tuple((name, tuple(t.shape), t.dtype) for name, t in state_dict.items())
+    def layout(self, state_dict: StateDict, frozen: frozenset[str] = frozenset()) -> tuple[list[Bucket], int]:
+        """The buckets of `state_dict`: the `frozen` tensors first, in buckets of their own, and how
+        many buckets those fill."""
+        key = (tuple((name, tuple(t.shape), t.dtype) for name, t in state_dict.items()), frozen)
         if self._layout is None or self._layout[0] != key:
-            self._layout = (key, plan_buckets(state_dict, self.sync.bucket_bytes))
-        return self._layout[1]
+            still = {name: t for name, t in state_dict.items() if name in frozen}
+            moving = {name: t for name, t in state_dict.items() if name not in frozen}
+            fixed = plan_buckets(still, self.sync.bucket_bytes) if still else []
+            self._layout = (key, fixed + plan_buckets(moving, self.sync.bucket_bytes), len(fixed))
+        return self._layout[1], self._layout[2]
 
-    def publish(self, state_dict: StateDict, version: int, rollback: bool = False) -> dict[str, float]:
+    def publish(self, state_dict: StateDict, version: int, rollback: bool = False,
+                frozen: frozenset[str] = frozenset()) -> dict[str, float]:
         """Timings in seconds: `put_s` (into the object store), `broadcast_s` (0 on object-store).
         `rollback`: publish even if not newer, and make everyone forget newer versions (an Actor
-        that restarted from a checkpoint)."""
+        that restarted from a checkpoint). `frozen`: names of tensors no step changes; their
+        buckets are put once (again after a rollback) and reused by later versions."""
         started = time.monotonic()
-        layout = self.layout(state_dict)
+        layout, fixed = self.layout(state_dict, frozen)
+        key = self._layout[0]
+        unchanged = fixed if self._frozen_refs is not None and self._frozen_refs[0] == key and not rollback else 0
         # one numpy buffer per bucket: the object store copies it once, at memcpy speed
-        refs = [ray.put(flat_bucket(state_dict, bucket).cpu().numpy()) for bucket in layout]
-        flats = (flat_bucket(state_dict, bucket) for bucket in layout)
-        return self._announce(layout, refs, version, rollback, time.monotonic() - started, flats)
+        refs = [*self._frozen_refs[1][:unchanged]] if unchanged else []
+        refs += [ray.put(flat_bucket(state_dict, bucket).cpu().numpy()) for bucket in layout[unchanged:]]
+        self._frozen_refs = (key, refs[:fixed])
+        flats = (flat_bucket(state_dict, bucket) for bucket in layout[unchanged:])
+        return self._announce(layout, refs, version, rollback, time.monotonic() - started, flats, unchanged)
 
     def publish_buckets(self, layout: list[Bucket], refs: list, version: int, rollback: bool = False,
                         put_s: float = 0.0) -> dict[str, float]:
@@ -266,10 +282,11 @@ class WeightPublisher:
         return self._announce(layout, refs, version, rollback, put_s, flats)
 
     def _announce(self, layout: list[Bucket], refs: list, version: int, rollback: bool, put_s: float,
-                  flats: Iterator[torch.Tensor]) -> dict[str, float]:
-        """Tell the coordinator, then broadcast `flats` (the buckets in order) on a broadcast channel."""
+                  flats: Iterator[torch.Tensor], unchanged: int = 0) -> dict[str, float]:
+        """Tell the coordinator, then broadcast `flats` (the buckets in order, but the first
+        `unchanged`: the same objects as in the version before) on a broadcast channel."""
         broadcast = None if self._store is None else {"host": self.host, "port": self._store.port}
-        result = self.sync.ask("publish", version, layout, refs, broadcast, rollback)
+        result = self.sync.ask("publish", version, layout, refs, broadcast, rollback, unchanged)
         if result["accepted"] and self._watcher is not None:
             self._last, self._incarnation = (version, layout, refs), result["incarnation"]
         broadcast_s = 0.0
@@ -387,8 +404,9 @@ class WeightSubscriber:
             return from_object_store(record["layout"], record["refs"])
         try:
             group = self._join(broadcast, rank)
-            state: StateDict = {}
-            for bucket in record["layout"]:
+            unchanged = record["unchanged"]  # not broadcast: the object store holds them (frozen tensors)
+            state = from_object_store(record["layout"][:unchanged], record["refs"][:unchanged])
+            for bucket in record["layout"][unchanged:]:
                 buffer = torch.empty(flat_size(bucket), dtype=torch.uint8, device=group.device)
                 state.update(unpack_flat(group.broadcast(buffer).cpu(), bucket))
             self.received_by_broadcast += 1

@@ -102,8 +102,25 @@ def test_trainable_patterns_train_the_vision_side_of_a_frozen_language_model(vis
     changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
     assert changed and all(name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for name in changed)
     assert {"model.multi_modal_projector.linear_1.weight", "model.vision_tower.embeddings.patch_embedding.weight"} <= changed
+    frozen = engine.frozen_weights()  # what DCS puts into the object store once
+    assert frozen <= set(engine.weights()) and not frozen & changed
+    assert frozen == {name for name in before if not name.startswith(("model.vision_tower.", "model.multi_modal"))}
     with pytest.raises(ValueError, match="matches no parameter"):
         TrainingEngine(model, tokenizer, TrainConfig(trainable=["vision.*"]), temperature=1.0)
+
+
+def test_a_frozen_head_tied_to_a_trained_embedding_is_not_frozen():
+    from rlx.models.tiny import char_tokenizer, tiny_model
+
+    tokenizer = char_tokenizer()
+    model = tiny_model(len(tokenizer))
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    engine = TrainingEngine(model, tokenizer, TrainConfig(trainable=["model.embed_tokens.*"]), temperature=1.0)
+    frozen = engine.frozen_weights()
+    assert "lm_head.weight" in engine.weights() and not {"lm_head.weight", "model.embed_tokens.weight"} & frozen
+    assert "model.layers.0.mlp.up_proj.weight" in frozen
+    assert TrainingEngine(model, tokenizer, TrainConfig(), temperature=1.0).frozen_weights() == frozenset()
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -110,6 +110,39 @@ def test_subscribers_load_each_version_and_old_versions_are_released(cluster, mo
         ray.kill(engine)
 
 
+@pytest.mark.parametrize("channel", ["object-store", "gloo"])
+def test_frozen_weights_are_put_once_and_every_version_still_arrives_whole(cluster, model, tiny_path, channel):
+    """A trained adapter on a frozen model: the frozen tensors' buckets are the same objects in
+    every version (never put or broadcast again), and engines, old and new, hold every tensor."""
+    sync = WeightSync.create(channel, bucket_mb=0.05, timeout_s=20)
+    publisher = sync.publisher()
+    names = list(model.state_dict())
+    frozen = frozenset(name for name in names if "layers.0." not in name)  # layer 0 trains, the rest is frozen
+    publisher.publish(model.state_dict(), 0, frozen=frozen)
+    engines = [Engine.remote(sync, f"engine-{i}", str(tiny_path)) for i in range(2)]
+    assert ray.get([e.start.remote() for e in engines]) == [0, 0]
+    first = sync.coordinator.wait_newer.remote(None, None, 0).result()
+    fixed = publisher.layout(model.state_dict(), frozen)[1]  # buckets holding frozen tensors only
+    assert first["unchanged"] == 0 and 0 < fixed < len(first["refs"])
+    base = model.state_dict()
+    for version in (1, 2):
+        state = {n: t if n in frozen else t + version for n, t in base.items()}
+        publisher.publish(state, version, frozen=frozen)
+        _until(engines, version)
+        assert ray.get([e.checksum.remote() for e in engines]) == pytest.approx([_checksum(state)] * 2, rel=1e-9)
+    latest = sync.coordinator.wait_newer.remote(None, None, 0).result()
+    assert latest["unchanged"] == fixed and latest["refs"][:fixed] == first["refs"][:fixed]
+    assert latest["refs"][fixed:] != first["refs"][fixed:]
+    if channel == "gloo":
+        assert ray.get([e.by_broadcast.remote() for e in engines]) == [2, 2]
+    late = Engine.remote(sync, "engine-late", str(tiny_path))  # a new engine gets the frozen part too
+    assert ray.get(late.start.remote()) == 2 and ray.get(late.checksum.remote()) == pytest.approx(_checksum(state))
+    publisher.publish(base, 0, rollback=True, frozen=frozen)  # a recovered Actor puts everything again
+    assert sync.coordinator.wait_newer.remote(None, None, 0).result()["unchanged"] == 0
+    for engine in [*engines, late]:
+        ray.kill(engine)
+
+
 def test_a_new_engine_starts_from_the_latest_version_and_follows_a_rollback(cluster, model, tiny_path):
     sync = WeightSync.create("object-store", timeout_s=20)
     publisher = sync.publisher()
