@@ -105,11 +105,10 @@ def media_processor(config: RunConfig, path: Path) -> MediaProcessor | None:
     """The processor that turns a row's media into the model's inputs; None for a text-only run."""
     if not config.data.has_media:
         return None
-    from transformers import AutoConfig
-
     from rlx.media.processor import processor_for
+    from rlx.models import load_model_config
 
-    model_config = AutoConfig.from_pretrained(path)
+    model_config = load_model_config(path)
     if config.data.processor_workers:
         from rlx.media.pool import MediaProcessorPool
 

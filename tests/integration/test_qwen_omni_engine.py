@@ -205,3 +205,35 @@ def test_logits_are_built_for_the_kept_positions_only(omni):
             kept = omni(input_ids=ids, logits_to_keep=2).logits
     assert every.shape[1] == 6 and kept.shape[1] == 2
     torch.testing.assert_close(kept, every[:, -2:], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", OMNI_FAMILIES)
+def test_a_released_thinker_and_talker_folder_loads_its_thinker_alone(tmp_path, family):
+    """A released Qwen-Omni folder is one model of thinker and talker (the composite config, the
+    thinker's weights under `thinker.`). Stand-in for one (none is small enough to ship): the tiny
+    thinker's folder rewritten in that layout, with a talker tensor beside it that must not load."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2_5OmniConfig, Qwen3OmniMoeConfig
+
+    from rlx.models import load_model_config, load_pretrained
+    from rlx.models.tiny_omni import build_tiny_omni
+
+    thinker_path = build_tiny_omni(tmp_path / "thinker", family)
+    thinker, _ = load_pretrained(thinker_path)
+    released = tmp_path / "released"
+    composite = {"qwen2_5_omni": Qwen2_5OmniConfig, "qwen3_omni": Qwen3OmniMoeConfig}[family]
+    composite(thinker_config=thinker.config.to_dict()).save_pretrained(released)
+    weights = {f"thinker.{name}": t for name, t in load_file(thinker_path / "model.safetensors").items()}
+    save_file({**weights, "talker.model.norm.weight": torch.ones(8)}, released / "model.safetensors",
+              metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (released / name).write_bytes((thinker_path / name).read_bytes())
+
+    model, tokenizer = load_pretrained(released)
+    assert type(model) is type(thinker) and len(tokenizer) == model.config.text_config.vocab_size
+    theirs = thinker.state_dict()
+    assert model.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(t, theirs[name]) for name, t in model.state_dict().items())
+    config = load_model_config(released)
+    assert config.model_type == thinker.config.model_type
+    assert processor_for(config, DataConfig()).placeholder_ids == {"image": I, "video": V, "audio": A}
