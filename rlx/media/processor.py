@@ -148,6 +148,35 @@ def _check_whisper_rate(sampling_rate: int) -> None:
                          f"defined at {SAMPLING_RATE} Hz: set data.audio_sampling_rate={SAMPLING_RATE}")
 
 
+def whisper_windows(row: PromptRow, limits: MediaLimits, sampling_rate: int, n_mels: int, window_frames: int,
+                    tokens: Callable[[int], int], split: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Each audio clip of `row` (decoded at `sampling_rate`) as Whisper log-mel windows of
+    `window_frames` frames, each with a mask of its real frames, and the clip's audio-token count
+    (`tokens` of each window's real frames). A clip longer than one window is cut into windows
+    when `split` (a tail too short for a token dropped), and refused otherwise."""
+    from rlx.media.audio import load_audio
+    from rlx.media.audio_features import HOP_LENGTH, SAMPLING_RATE, clip_windows, log_mel, real_frames
+
+    features, masks, counts = [], [], []
+    for index, item in enumerate(row.media.get("audio", ())):
+        samples = load_audio(item, limits, row.source, sampling_rate)
+        if not split and real_frames(samples.size) > window_frames:
+            seconds = window_frames * HOP_LENGTH / SAMPLING_RATE
+            raise DataError(f"{row.source}: audio clip {index} lasts {samples.size / sampling_rate:.1f} s, over the "
+                            f"{seconds:.0f} s rlx gives a clip of this model: split it into clips of at most "
+                            f"{seconds:.0f} s, each with its own <audio>")
+        windows = clip_windows(samples, window_frames) if split else [samples]
+        count = sum(tokens(real_frames(window.size)) for window in windows)
+        if count < 1:
+            raise DataError(f"{row.source}: audio clip {index} is too short for one audio token; drop it or pad it "
+                            "with silence")
+        for window in windows:
+            features.append(log_mel(window, n_mels, window_frames))
+            masks.append(torch.arange(window_frames) < real_frames(window.size))
+        counts.append(count)
+    return features, masks, counts
+
+
 class WhisperAudioProcessor:
     """Audio for a Whisper-encoder audio-language model (AudioFlamingo3, e.g. the built-in
     smollm2-135m-audio): each clip decoded at 16 kHz (`load_audio`), cut into the encoder's windows
@@ -164,23 +193,14 @@ class WhisperAudioProcessor:
         self.placeholder_ids = {"audio": config.audio_token_id}
 
     def __call__(self, prompt_ids: list[int], row: PromptRow) -> tuple[list[int], MediaInputs]:
-        from rlx.media.audio import load_audio
-        from rlx.media.audio_features import clip_windows, encoder_tokens, log_mel, real_frames
+        from rlx.media.audio_features import encoder_tokens
 
         unsupported = sorted(kind for kind, items in row.media.items() if items and kind != "audio")
         if unsupported:
             raise DataError(f"{row.source}: this model (AudioFlamingo3) reads audio only; the row carries "
                             f"{unsupported}: drop those data.media_keys or use a model that takes them")
-        features, masks, counts = [], [], []
-        for index, item in enumerate(row.media.get("audio", ())):
-            windows = clip_windows(load_audio(item, self.limits, row.source, self.sampling_rate), self.frames)
-            if not windows:
-                raise DataError(f"{row.source}: audio clip {index} is shorter than 21 ms, too short for one audio "
-                                "token; drop it or pad it with silence")
-            for window in windows:
-                features.append(log_mel(window, self.n_mels, self.frames))
-                masks.append(torch.arange(self.frames) < real_frames(window.size))
-            counts.append(sum(encoder_tokens(real_frames(window.size)) for window in windows))
+        features, masks, counts = whisper_windows(row, self.limits, self.sampling_rate, self.n_mels, self.frames,
+                                                  encoder_tokens, split=True)
         try:
             ids = expand_placeholders(prompt_ids, self.audio_token_id, counts, kind="audio")
         except ValueError as exc:
@@ -223,25 +243,12 @@ class QwenOmniProcessor:
                              else lambda frames: chunked_encoder_tokens(frames, n_window))
 
     def __call__(self, prompt_ids: list[int], row: PromptRow) -> tuple[list[int], MediaInputs]:
-        from rlx.media.audio import load_audio
-        from rlx.media.audio_features import SAMPLING_RATE, log_mel, real_frames
+        from rlx.media.audio_features import SAMPLING_RATE
 
         seen = replace(row, media={kind: items for kind, items in row.media.items() if kind != "audio"})
         ids, inputs = self.vision(prompt_ids, seen)
-        features, masks, counts = [], [], []
-        for index, item in enumerate(row.media.get("audio", ())):
-            samples = load_audio(item, self.limits, row.source, SAMPLING_RATE)
-            frames = real_frames(samples.size)
-            if frames > self.WINDOW_FRAMES:
-                raise DataError(f"{row.source}: audio clip {index} lasts {samples.size / SAMPLING_RATE:.1f} s, over "
-                                "the 30 s rlx gives a Qwen-Omni clip: split it into clips of at most 30 s, each "
-                                "with its own <audio>")
-            if self.audio_tokens(frames) < 1:
-                raise DataError(f"{row.source}: audio clip {index} is too short for one audio token; drop it or "
-                                "pad it with silence")
-            features.append(log_mel(samples, self.n_mels, self.WINDOW_FRAMES))
-            masks.append(torch.arange(self.WINDOW_FRAMES) < frames)
-            counts.append(self.audio_tokens(frames))
+        features, masks, counts = whisper_windows(row, self.limits, SAMPLING_RATE, self.n_mels, self.WINDOW_FRAMES,
+                                                  self.audio_tokens, split=False)
         try:
             ids = expand_placeholders(ids, self.audio_token_id, counts, self.audio_markers, "audio")
         except ValueError as exc:

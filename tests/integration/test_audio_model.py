@@ -133,7 +133,7 @@ def test_the_processor_refuses_what_the_encoder_cannot_read(audio_model):
     model, tokenizer = audio_model
     processor = processor_for(model.config, DataConfig())
     ids = tokenizer("<audio>hi", add_special_tokens=False)["input_ids"]
-    with pytest.raises(DataError, match="rows.jsonl:1: audio clip 0 is shorter than 21 ms"):
+    with pytest.raises(DataError, match="rows.jsonl:1: audio clip 0 is too short for one audio token"):
         processor(ids, _row("<audio>hi", [np.zeros(300, np.float32)]))
     assert processor(ids, _row("<audio>hi", [np.zeros(321, np.float32)]))[0].count(model.config.audio_token_id) == 1
     with pytest.raises(DataError, match="1 audio placeholder token"):
