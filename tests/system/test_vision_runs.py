@@ -104,7 +104,7 @@ def test_a_qwen_vl_run_reads_videos_from_mp4_files_at_2_fps(tmp_path):
     data = {"source": "jsonl", "path": str(tmp_path / "videos.jsonl"), "eval_path": str(tmp_path / "videos.jsonl"),
             "eval_size": 4, "media_keys": {"video": "videos"}, "apply_chat_template": False}
     train_rows, _ = load_splits(DataConfig(**data))
-    frames = load_video(train_rows[0].media["video"][0], DataConfig(**data).media_limits, "clip0")
+    frames = load_video(train_rows[0].media["video"][0], DataConfig(**data).media_limits, "clip0").frames
     assert len(frames) == 4 and frames[0].shape == (56, 56, 3)  # 2 s at the default 2 fps
     config = build_config({
         "model": {"path": str(model_path)}, "data": data,
