@@ -6,7 +6,8 @@ With `share_prompts`, rows that share a prompt run it once (`rlx.engines.trainin
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +28,26 @@ def autocast_context(model: PreTrainedModel, bf16: bool):
     return torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
+def call_with_media(model: PreTrainedModel, media_inputs: Callable[[], dict[str, Any]], **kwargs: Any) -> Any:
+    """`model(**kwargs, **media_inputs())`. rlx encodes media (and embeds tokens) by calling the
+    model's encoders itself, once per media object; under FSDP2 that must happen inside the root
+    unit's forward, whose hooks gather the encoders' parameters and, in backward, their gradients.
+    So there the inputs are made by a hook that runs after FSDP's own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return model(**kwargs, **media_inputs())
+
+    def add_inputs(_: Any, args: tuple, known: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        return args, {**known, **media_inputs()}
+
+    handle = model.register_forward_pre_hook(add_inputs, with_kwargs=True)
+    try:
+        return model(**kwargs)
+    finally:
+        handle.remove()
+
+
 def forward_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, **kwargs) -> torch.Tensor:
     """The model's output logits for `batch`, on the model's device, without a KV cache.
 
@@ -44,11 +65,11 @@ def forward_logits(model: PreTrainedModel, batch: TokenBatch, bf16: bool, **kwar
     rows_media = batch.media or []
     grids = concat_media(rows_media, device, only=POSITION_INPUTS)
     with autocast_context(model, bf16), logits_of_last(model, kwargs.get("logits_to_keep")):
-        return model(
+        return call_with_media(
+            model, lambda: forward_inputs(model, input_ids, rows_media),
             attention_mask=attention_mask,
             position_ids=position_ids(model, input_ids, attention_mask, grids),
             use_cache=False,
-            **forward_inputs(model, input_ids, rows_media),
             **kwargs,
         ).logits
 

@@ -48,12 +48,15 @@ T = TypeVar("T")
 
 
 def shard_model(model: PreTrainedModel, config: TrainConfig) -> None:
-    """`fully_shard` every decoder layer (the classes transformers names in `_no_split_modules`),
-    then the root. bf16 training gathers bf16 parameters and reduces gradients in `reduce_dtype`;
-    the sharded master weights and AdamW state stay float32."""
+    """`fully_shard` every decoder layer of the language model (the classes transformers names in
+    `_no_split_modules`), then the root. Media encoders stay in the root unit: rlx calls them before
+    the forward's body (each media object encoded once), which a unit of their own would refuse as a
+    call from outside the root's forward (`rlx.engines.training.forward.call_with_media`).
+    bf16 training gathers bf16 parameters and reduces gradients in `reduce_dtype`; the sharded
+    master weights and AdamW state stay float32."""
     policy = MixedPrecisionPolicy(param_dtype=_DTYPES[config.param_dtype], reduce_dtype=_DTYPES[config.reduce_dtype])
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    layers = [m for m in model.get_decoder().modules() if type(m).__name__ in layer_classes]
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder layer classes (_no_split_modules): rlx cannot "
                          "shard it layer by layer; train it with resources.<role>.ranks=1")
