@@ -675,9 +675,9 @@ def choice_conflicts(c: RunConfig) -> list[str]:
     if c.data.has_media and c.rollout.engine != "hf":
         problems.append(f"media rows (data.media_keys / data.source={c.data.source}) go through rlx's own processor "
                         f"into the hf engine only; rollout.engine={c.rollout.engine} takes text: set rollout.engine=hf")
-    if c.data.has_media and (c.rollout.agent is not None or c.rollout.agent_app is not None):
-        problems.append("media rows are single-turn for now: unset rollout.agent / rollout.agent_app, or drop "
-                        "data.media_keys")
+    if c.data.has_media and c.rollout.agent_app is not None:
+        problems.append("an agent app's calls carry text only: unset rollout.agent_app (rollout.agent takes a row's "
+                        "media into its trajectories), or drop data.media_keys")
     if a.advantage == "none" and not c.uses_teacher:
         problems.append("algorithm.advantage=none trains on nothing without a teacher: set teacher.path=<model> "
                         "for on-policy distillation, or pick an advantage such as grpo")

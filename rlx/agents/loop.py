@@ -6,6 +6,10 @@ finishes, so its slot goes to another trajectory while the tool runs; the next t
 new request with the whole context (token ids, never text). Tools of different trajectories run
 concurrently, on their trajectories' threads.
 
+Media: a row's images, audio or video reach the opening prompt (its placeholders expanded by the
+rollout's processor, once per group) and go with every turn's request, since each turn prefills
+the whole context; observations are text.
+
 Prefix reuse: the `hf` engine prefills the whole context again for each turn (it keeps no cache
 between requests). vLLM reuses the prefix's KV cache with `rollout.engine_options:
 {enable_prefix_caching: true}`; rlx leaves it off by default, because a prefix cached before a
@@ -18,18 +22,25 @@ import abc
 import contextlib
 import dataclasses
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rlx.agents.chat import ChatTokens, TemplateDrift, check_template
 from rlx.agents.environments import Environment, EnvironmentFactory, opening_messages
 from rlx.agents.trajectory import Trajectory
-from rlx.data.rows import PromptRow
+from rlx.data.rows import Messages, PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import SamplingParams
 from rlx.engines.generation.engine_loop import EngineLoop
+from rlx.media.inputs import MediaInputs
 from rlx.roles.rollout import Group, Rollout
+
+if TYPE_CHECKING:
+    from rlx.media.processor import MediaProcessor
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.2  # while every trajectory waits on a tool, the engine still gets `between_steps` this often
@@ -46,8 +57,8 @@ class ConcurrentRollout(Rollout, abc.ABC):
     and yields its samples when it ends. `generate` has Rollout's contract, except that an episode
     of several trajectories yields them all, numbered by `Sample.episode` (see `episode_samples`)."""
 
-    def __init__(self, engine, tokenizer, concurrency: int) -> None:
-        super().__init__(engine, tokenizer)
+    def __init__(self, engine, tokenizer, concurrency: int, processor: MediaProcessor | None = None) -> None:
+        super().__init__(engine, tokenizer, processor)
         self.concurrency = concurrency
 
     @abc.abstractmethod
@@ -106,9 +117,12 @@ class AgentRollout(ConcurrentRollout):
     """Trajectories against an environment: policy turns and environment steps, turn by turn."""
 
     def __init__(self, engine, tokenizer, environments: EnvironmentFactory, limits: TurnLimits,
-                 concurrency: int) -> None:
-        super().__init__(engine, tokenizer, concurrency)
+                 concurrency: int, processor: MediaProcessor | None = None) -> None:
+        super().__init__(engine, tokenizer, concurrency, processor)
         self.environments, self.limits = environments, limits
+        # a group's trajectories open alike: their media is processed once (bounded: groups in flight)
+        self._opened: OrderedDict[tuple[int, tuple[int, ...]], tuple[PromptRow, list[int], MediaInputs]] = OrderedDict()
+        self._opened_lock = threading.Lock()
         probe = environments()
         self.chat = ChatTokens(tokenizer, probe.tool_specs)
         probe.close()
@@ -129,8 +143,9 @@ class AgentRollout(ConcurrentRollout):
         the reason; at the engine's current version, so it counts as on time."""
         log.warning("environment %s failed: %s: %s", stage, type(error).__name__, error)
         version = self.engine.weight_version
-        trajectory = Trajectory(self.chat.prompt_ids(opening_messages(row, None, ())), finish_reason="env_error",
-                                behavior_version=version, last_behavior_version=version)
+        prompt_ids, media = self._opening(opening_messages(row, None, ()), row)
+        trajectory = Trajectory(prompt_ids, finish_reason="env_error", behavior_version=version,
+                                last_behavior_version=version, media=media)
         trajectory.env_error = f"{type(error).__name__}: {error}"
         return trajectory
 
@@ -139,12 +154,13 @@ class AgentRollout(ConcurrentRollout):
             messages = env.reset(row)
         except Exception as error:  # noqa: BLE001 - user environment code; the sample carries the failure
             return self._not_started(row, "reset", error)
-        trajectory = Trajectory(self.chat.prompt_ids(messages))
+        prompt_ids, media = self._opening(messages, row)
+        trajectory = Trajectory(prompt_ids, media=media)
         limits = self.limits
         while True:
             budget = limits.max_trajectory_tokens - len(trajectory.response_ids)
             turn_params = params if budget >= params.max_new_tokens else dataclasses.replace(params, max_new_tokens=budget)
-            result = loop.submit(trajectory.context_ids, turn_params).result()
+            result = loop.submit(trajectory.context_ids, turn_params, trajectory.media).result()
             trajectory.add_policy(result.response_ids, result.logprobs, result.weight_version,
                                   result.extra.get("last_weight_version"), result.routed_experts)
             text = self.chat.turn_text(result.response_ids)
@@ -174,6 +190,28 @@ class AgentRollout(ConcurrentRollout):
             messages = [*messages, {"role": "assistant", "content": text}, *step.observation]
 
 
+    def _opening(self, messages: Messages, row: PromptRow) -> tuple[list[int], MediaInputs | None]:
+        """The opening prompt's ids; with the row's media, each dataset placeholder (`<image>`) as the
+        model's own token expanded to the item's tokens, and the media as model inputs."""
+        if not row.media:
+            return self.chat.prompt_ids(messages), None
+        text = self.chat.render(messages, add_generation_prompt=True)
+        for tag, token in self.placeholder_text.items():
+            text = text.replace(tag, token)
+        ids = self.chat.encode(text)
+        key = (id(row), tuple(ids))
+        with self._opened_lock:
+            if key in self._opened:
+                _, expanded, media = self._opened[key]
+                return expanded, media
+        expanded, media = self.prepare(row, ids)
+        with self._opened_lock:
+            self._opened[key] = (row, expanded, media)  # the row kept alive: its id stays its own
+            while len(self._opened) > 4 * self.concurrency:
+                self._opened.popitem(last=False)
+        return expanded, media
+
+
 def _finish(trajectory: Trajectory, reason: str) -> Trajectory:
     trajectory.finish_reason = reason
     return trajectory
@@ -191,7 +229,7 @@ def trajectory_sample(uid: int, group_id: int, row: PromptRow, trajectory: Traje
         behavior_version=trajectory.behavior_version or 0, last_behavior_version=trajectory.last_behavior_version,
         finish_reason=trajectory.finish_reason, response_text=trajectory.final_text, prompt_text=row.question,
         label=row.label, metadata=metadata, agent_stats=trajectory_stats(trajectory),
-        routed_experts=trajectory.routed_experts)
+        routed_experts=trajectory.routed_experts, media_inputs=trajectory.media)
 
 
 def trajectory_stats(trajectory: Trajectory) -> dict:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from rlx.agents.tools import ToolBox
     from rlx.config import AgentConfig, RunConfig
+    from rlx.media.processor import MediaProcessor
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,15 @@ def rollout_concurrency(config: RunConfig) -> int:
     return config.rollout.agent.concurrency or config.rollout.max_batch_size
 
 
-def build_agent_rollout(config: RunConfig, engine, tokenizer: PreTrainedTokenizerBase) -> AgentRollout:
+def build_agent_rollout(config: RunConfig, engine, tokenizer: PreTrainedTokenizerBase,
+                        processor: MediaProcessor | None = None) -> AgentRollout:
+    """`processor`: the media processor of a run whose rows carry media (they open the trajectories)."""
     agent = config.rollout.agent
     assert agent is not None
     toolbox = build_toolbox(agent) if agent.tools else None
     rollout = AgentRollout(engine, tokenizer, environment_factory(config, toolbox),
                            TurnLimits(agent.max_turns, agent.max_trajectory_tokens),
-                           rollout_concurrency(config))
+                           rollout_concurrency(config), processor)
     check = rollout.template_check
     (log.info if check.exact else log.warning)("chat template, token in / token out: %s", check.detail)
     return rollout

@@ -43,6 +43,7 @@ class Trajectory:
     env_reward: float | None = None  # a reward the environment gave at the end, if it gives one
     env_error: str | None = None  # why the episode failed (an agent app that raised, hung, returned garbage)
     routed_experts: Any = None  # MoE: experts per position, each from the first forward that computed it
+    media: Any = None  # the prompt's media as model inputs (rlx.media): sent with every turn's request
 
 
     def add_policy(self, ids: list[int], logprobs: list[float], version: int, last_version: int | None = None,

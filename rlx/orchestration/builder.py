@@ -93,7 +93,7 @@ def build_rollout(config: RunConfig, path: Path) -> Rollout:
     if r.agent is not None:
         from rlx.agents.setup import build_agent_rollout
 
-        return build_agent_rollout(config, engine, tokenizer)
+        return build_agent_rollout(config, engine, tokenizer, media_processor(config, path))
     if r.agent_app is not None:
         from rlx.agents.app_rollout import AgentAppRollout
 

@@ -21,11 +21,11 @@ from rlx.orchestration.run_dir import latest_checkpoint
 pytest.importorskip("sklearn")
 
 
-def digits_config(model_path, tmp_path, **train):
+def digits_config(model_path, tmp_path, rollout=None, **train):
     return build_config({
         "model": {"path": str(model_path)},
         "data": {"source": "digits", "train_size": 64, "eval_size": 16},
-        "rollout": {"n": 4, "prompts_per_step": 4, "max_new_tokens": 3, "temperature": 1.0},
+        "rollout": {"n": 4, "prompts_per_step": 4, "max_new_tokens": 3, "temperature": 1.0, **(rollout or {})},
         "reward": {"name": "exact_match", "extract": "last_number"},
         "algorithm": {"kl_coef": 0.05},
         "train": {"steps": 3, "lr": 1e-2, "micro_batch_size": 8, "eval_every": 3, "checkpoint_every": 3,
@@ -71,6 +71,24 @@ def test_async_media_travel_the_ray_bus_once_per_group(tiny_vision_path, tmp_pat
     run_dir = run_async(config, echo=lambda _: None)
     steps = [r for r in read_metrics(run_dir) if "loss" in r]
     assert steps and all(r["rollout_logprob_abs_diff"] < 1e-4 for r in steps)
+
+
+def test_a_multi_turn_run_carries_each_rows_image_into_every_turn(tiny_vision_path, tmp_path):
+    """A row's image opens its trajectories (processed once per group) and goes with every turn's
+    request: the trainer's log-probs equal the engine's on every turn's policy tokens only if both
+    saw it with every turn."""
+    from rlx.models import load_tokenizer
+    from tests.system.test_agent_runs import AGENT
+
+    # a random tiny model rarely writes <eos>: frequent characters end its turns instead
+    stops = load_tokenizer(tiny_vision_path).convert_tokens_to_ids(list("aeiou0123456789"))
+    config = digits_config(tiny_vision_path, tmp_path, steps=2, eval_every=0, checkpoint_every=0,
+                           rollout={"agent": AGENT, "stop_token_ids": stops, "prompts_per_step": 2})
+    steps = [r for r in read_metrics(run_colocate(config, echo=lambda _: None)) if "loss" in r]
+    assert len(steps) == 2
+    for record in steps:
+        assert record["agent_turns_mean"] > 1.0 and 0.0 < record["agent_masked_token_fraction"] < 1.0
+        assert record["rollout_logprob_abs_diff"] < 1e-4
 
 
 def _mp4(path, digit: int, seconds: float = 2.0, rate: int = 8) -> None:

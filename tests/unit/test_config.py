@@ -413,3 +413,11 @@ def test_ranks_are_for_model_holding_roles_and_trainers_take_one_update_per_step
         build_config({"resources": {"rollout": {"ranks": 2}}})
     with pytest.raises(ConfigError, match=r"resources.actor.ranks > 1 with train.ppo_epochs=2"):
         build_config({"resources": {"actor": {"ranks": 2}}, "train": {"ppo_epochs": 2}})
+
+
+def test_media_rows_take_an_agent_environment_but_not_an_agent_app():
+    media = ["data.source=digits"]
+    load_config(None, [*media, "rollout.agent={environment: tools, tools: [{name: calculator}]}"])
+    with pytest.raises(ConfigError, match="an agent app's calls carry text only: unset rollout.agent_app"):
+        load_config(None, [*media, "rollout.agent_app=tests.integration.agent_apps:toy_chat",
+                           "reward.name=environment"])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams
+from rlx.media.inputs import MediaInputs
 
 T = TypeVar("T")
 
@@ -47,6 +48,7 @@ class _Job:
     prompt_ids: list[int]
     params: SamplingParams
     future: Future
+    media: MediaInputs | None = None
 
 
 class EngineLoop:
@@ -67,10 +69,12 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="rlx-engine-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Future[GenerationResult]:
-        """Queue one request; its future holds the result (or the engine's error) once it finishes.
-        Cancelling the future before it starts decoding drops the request."""
-        job = _Job(prompt_ids, params, Future())
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               media: MediaInputs | None = None) -> Future[GenerationResult]:
+        """Queue one request (`media`: the model inputs of the media its placeholders stand for);
+        its future holds the result (or the engine's error) once it finishes. Cancelling the future
+        before it starts decoding drops the request."""
+        job = _Job(prompt_ids, params, Future(), media)
         with self._cond:
             self._check_running()
             self._jobs.append(job)
@@ -155,7 +159,7 @@ class EngineLoop:
                 if job.future.set_running_or_notify_cancel():  # False: the caller cancelled it
                     request_id = next(self._ids)
                     futures[request_id] = job.future
-                    requests.append(GenerationRequest(request_id, job.prompt_ids))
+                    requests.append(GenerationRequest(request_id, job.prompt_ids, job.media))
             self.peak_batch = max(self.peak_batch, len(futures))
             return requests
 
