@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from rlx.agents.chat import ChatTokens, TemplateDrift, check_template
 from rlx.agents.environments import Environment, EnvironmentFactory, opening_messages
 from rlx.agents.trajectory import Trajectory
-from rlx.data.rows import Messages, PromptRow
+from rlx.data.rows import DataError, Messages, PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import SamplingParams
 from rlx.engines.generation.engine_loop import EngineLoop
@@ -120,7 +120,8 @@ class AgentRollout(ConcurrentRollout):
                  concurrency: int, processor: MediaProcessor | None = None) -> None:
         super().__init__(engine, tokenizer, concurrency, processor)
         self.environments, self.limits = environments, limits
-        # a group's trajectories open alike: their media is processed once (bounded: groups in flight)
+        # a group's trajectories open alike: their media is processed once (at most one group per
+        # trajectory in flight is kept; one evicted early is only processed again)
         self._opened: OrderedDict[tuple[int, tuple[int, ...]], tuple[PromptRow, list[int], MediaInputs]] = OrderedDict()
         self._opened_lock = threading.Lock()
         probe = environments()
@@ -143,7 +144,11 @@ class AgentRollout(ConcurrentRollout):
         the reason; at the engine's current version, so it counts as on time."""
         log.warning("environment %s failed: %s: %s", stage, type(error).__name__, error)
         version = self.engine.weight_version
-        prompt_ids, media = self._opening(opening_messages(row, None, ()), row)
+        messages = opening_messages(row, None, ())
+        try:
+            prompt_ids, media = self._opening(messages, row)
+        except DataError:  # the row's media itself: the sample is text, and fails
+            prompt_ids, media = self.chat.prompt_ids(messages), None
         trajectory = Trajectory(prompt_ids, finish_reason="env_error", behavior_version=version,
                                 last_behavior_version=version, media=media)
         trajectory.env_error = f"{type(error).__name__}: {error}"
@@ -154,7 +159,10 @@ class AgentRollout(ConcurrentRollout):
             messages = env.reset(row)
         except Exception as error:  # noqa: BLE001 - user environment code; the sample carries the failure
             return self._not_started(row, "reset", error)
-        prompt_ids, media = self._opening(messages, row)
+        try:
+            prompt_ids, media = self._opening(messages, row)
+        except DataError as error:  # media the processor refuses, or an opening that lost a placeholder
+            return self._not_started(row, "media", error)
         trajectory = Trajectory(prompt_ids, media=media)
         limits = self.limits
         while True:
@@ -207,7 +215,7 @@ class AgentRollout(ConcurrentRollout):
         expanded, media = self.prepare(row, ids)
         with self._opened_lock:
             self._opened[key] = (row, expanded, media)  # the row kept alive: its id stays its own
-            while len(self._opened) > 4 * self.concurrency:
+            while len(self._opened) > self.concurrency:
                 self._opened.popitem(last=False)
         return expanded, media
 

@@ -178,6 +178,7 @@ class BusIndex:
         self.clear(rows)
         for group in incomplete:
             self._drop_group_fields(group)
+            del self.rows_per_group[group]  # its producer makes it again, from nothing
         self.stats["rows_of_abandoned_groups"] += len(rows)
         return sorted(incomplete)
 

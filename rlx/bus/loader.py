@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from typing import Protocol
 
 from rlx.bus.samplers import SamplerSpec
@@ -21,10 +22,12 @@ class BusLike(Protocol):
 
 
 class StreamingDataLoader:
-    def __init__(self, bus: BusLike, task: str, fields: list[str], micro_batch_size: int, rows_per_step: int,
+    def __init__(self, bus: BusLike, task: str, fields: list[str], micro_batch_size: int,
+                 rows_per_step: int | Fraction,
                  timeout: float | None = None, sampler: SamplerSpec | None = None,
                  should_stop: Callable[[], bool] = lambda: False,
-                 counts: Callable[[dict[str, list]], float] | None = None, max_rows: int | None = None) -> None:
+                 counts: Callable[[dict[str, list]], Fraction | int] | None = None,
+                 max_rows: int | None = None) -> None:
         """A step is `rows_per_step` rows, or, with `counts`, rows until `counts(values)` of each micro-batch
         add up to `rows_per_step` (e.g. only trainable rows count, or rows count in shares of their
         episode) or `max_rows` rows went by."""
@@ -46,10 +49,11 @@ class StreamingDataLoader:
                 return self.bus.get(self.task, self.fields, batch_size, 0.0, self.sampler)
 
     def __iter__(self) -> Iterator[tuple[list[int], dict[str, list]]]:
-        remaining, seen = float(self.rows_per_step), 0
-        while remaining > 0 and (self.max_rows is None or seen < self.max_rows):
-            rows, values = self._next(min(self.micro_batch_size, math.ceil(remaining)))
-            # rounded: shares of an episode (thirds) must add up to whole rows exactly
-            remaining = round(remaining - (len(rows) if self.counts is None else self.counts(values)), 9)
+        """After the step, `remaining` is what it still lacked: below 0 when its last row counted
+        more than was left (a whole response where a share of one was missing)."""
+        self.remaining, seen = Fraction(self.rows_per_step), 0  # exact: shares of an episode add up to whole rows
+        while self.remaining > 0 and (self.max_rows is None or seen < self.max_rows):
+            rows, values = self._next(min(self.micro_batch_size, math.ceil(self.remaining)))
+            self.remaining -= len(rows) if self.counts is None else self.counts(values)
             seen += len(rows)
             yield rows, values

@@ -122,9 +122,8 @@ def load_pretrained(path: Path, dtype: str = "float32", device: str = "cpu"):
     config = load_model_config(path)
     auto = (AutoModelForImageTextToText if hasattr(config, "vision_config")
             else AutoModelForSeq2SeqLM if hasattr(config, "audio_config") else AutoModelForCausalLM)
-    thinker_only = {"key_mapping": {r"^thinker\.": ""}} if config.model_type.endswith("_thinker") else {}
-    model = auto.from_pretrained(path, config=config, dtype=getattr(torch, dtype), use_safetensors=True,
-                                 **thinker_only).to(device)
+    # a thinker's base_model_prefix is "thinker": transformers strips it from a released folder's keys
+    model = auto.from_pretrained(path, config=config, dtype=getattr(torch, dtype), use_safetensors=True).to(device)
     return model, tokenizer
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -173,11 +174,13 @@ class Worker(abc.ABC):
                 "busy_fraction": min(1.0, self.busy_s / elapsed), "error": self.error}
 
 
-def response_shares(values: dict[str, list], rows: int) -> list[float]:
+def response_shares(values: dict[str, list], rows: int) -> list[Fraction]:
     """Each row's share of a response of its group: 1, or 1/k for each of the k samples of an agent
-    app's episode. Steps count responses, so a step takes `prompts_per_step` groups' worth whatever
-    their rows (the staleness gate admits groups per version)."""
-    return [1 / k for k in values["episode_rows"]] if "episode_rows" in values else [1.0] * rows
+    app's episode (exact, so k shares make one). Steps count responses, so a step takes
+    `prompts_per_step` groups' worth whatever their rows (the staleness gate admits groups per
+    version); a step that took more than its count (its last row a whole response where a share was
+    missing) takes that much less in the next."""
+    return [Fraction(1, k) for k in values["episode_rows"]] if "episode_rows" in values else [Fraction(1)] * rows
 
 
 class RewardWorker(Worker):
@@ -287,7 +290,8 @@ class CriticWorker(Worker):
         self.value_inputs, self.train_inputs = value_inputs, train_inputs
         self.lock = threading.RLock()  # a checkpoint asked from outside waits for the current unit of work
         self.rows_per_step, self.micro_batch_size = rows_per_step, micro_batch_size
-        self.remaining: float | None = None  # responses left in the open training step (`response_shares`)
+        self.remaining: Fraction | None = None  # responses left in the open training step (`response_shares`)
+        self.overshoot = Fraction(0)  # what the last step took beyond its count: the next takes less
         self.reports = StepReports()
         self.checkpoints = checkpoints
 
@@ -301,7 +305,7 @@ class CriticWorker(Worker):
     def _train(self) -> int:
         if self.remaining is None:
             self.role.begin_step()
-            self.remaining = self.rows_per_step
+            self.remaining = self.rows_per_step + self.overshoot
         rows, values = self._poll("critic_train", self.train_inputs,
                                   min(self.micro_batch_size, math.ceil(self.remaining)), partial=True)
         if not rows:
@@ -311,8 +315,9 @@ class CriticWorker(Worker):
             self._timed(lambda: self.role.accumulate(trainable), "train", step=self.role.version + 1,
                         rows=len(trainable))
         self.bus.clear_consumed(self.final_tasks)
-        self.remaining = round(self.remaining - sum(response_shares(values, len(rows))), 9)
+        self.remaining -= sum(response_shares(values, len(rows)))
         if self.remaining <= 0:
+            self.overshoot = self.remaining
             metrics = self._timed(self.role.finish_step, "train", step=self.role.version + 1, phase="optimizer")
             self.remaining = None
             step = self.role.version
@@ -389,6 +394,7 @@ class RolloutWorker(Worker):
         self.refill_dropped, self.consumer = refill_dropped, consumer
         self._version, self._steps, self._dropped = 0, 0, 0
         self._pending: Counter = Counter()  # group id -> samples still to come
+        self._started: set[int] = set()  # groups with a sample on the bus
         self._rows: Counter = Counter()  # group id -> its rows, once an episode of several samples grew it
         self._grown: defaultdict[int, set[int]] = defaultdict(set)  # group id -> episodes that grew it
 
@@ -425,9 +431,11 @@ class RolloutWorker(Worker):
             for sample in self.role.generate(groups, self.n, params, more_groups=self.admit if continuous else None,
                                              between_steps=self._between_steps if continuous else None):
                 group = sample.group_id
-                if self.group_fields and self._pending[group] == self.n:  # the group's first sample
-                    self.bus.put_group(group, {name: getattr(sample, name) for name in self.group_fields},
-                                       rows=self.n)
+                if group not in self._started:
+                    self._started.add(group)
+                    if self.group_fields:
+                        self.bus.put_group(group, {name: getattr(sample, name) for name in self.group_fields},
+                                           rows=self.n)
                 self._grow(sample)
                 self.bus.put({name: [getattr(sample, name)] for name in self.fields}, group_ids=[group],
                              num_tokens=[sample_tokens(sample)])
@@ -435,6 +443,7 @@ class RolloutWorker(Worker):
                 if self._pending[group] == 0:
                     del self._pending[group], self._rows[group]  # a Counter's del skips a missing key
                     self._grown.pop(group, None)
+                    self._started.discard(group)
                     self.bus.flush()  # the group is reported done only once the bus has all of it
                     self.source.finished(self.consumer, [group])
                 produced += 1
@@ -495,18 +504,19 @@ class ActorWorker(Worker):
         self.lock = threading.Lock()  # a checkpoint never sees half a step
         self.checkpoints = checkpoints
         self.step_faults = StepFaults()  # fault injection at the trainer's own step
+        self.overshoot = Fraction(0)  # what the last step took beyond its count: the next takes less
 
     def _loader(self, rows: int | None) -> StreamingDataLoader:
         dynamic = rows is None and self.dynamic_max_rows is not None
 
-        def counts(values: dict[str, list]) -> float:
+        def counts(values: dict[str, list]) -> Fraction:
             """Responses, in shares (see `response_shares`); with dynamic sampling trainable ones only."""
             shares = response_shares(values, len(values["filter_reason"]))
             return sum(share for share, reason in zip(shares, values["filter_reason"]) if reason is None or not dynamic)
 
         varying = rows is None and "episode_rows" in self.fields
         return StreamingDataLoader(
-            self.bus, "train", self.fields, self.micro_batch_size, rows or self.rows_per_step,
+            self.bus, "train", self.fields, self.micro_batch_size, rows or self.rows_per_step + self.overshoot,
             timeout=self.timeout_s, should_stop=lambda: not self.beat(),
             counts=counts if dynamic or varying else None, max_rows=self.dynamic_max_rows if dynamic else None)
 
@@ -538,6 +548,8 @@ class ActorWorker(Worker):
         if trainable:
             accumulate(trainable)
             trained += len(trainable)
+        if rows is None:
+            self.overshoot = min(Fraction(0), loader.remaining)
         # with PPO epochs or mini-batches every update runs here: beat through it, it is no hang
         metrics = self._timed(lambda: self._beating_while(self.role.finish_step), "train", step=version + 1,
                               phase="optimizer")
@@ -551,8 +563,8 @@ class ActorWorker(Worker):
         metrics.update(batch_metrics(seen, version), trained_samples=float(trained),
                        **{f"filtered_{reason}": float(count) for reason, count in filtered.items()})
         for sample in seen:  # in responses: an episode of several samples counts once, in shares
-            self.samples_per_group[sample.group_id] += 1 if sample.episode_rows == 1 else 1 / sample.episode_rows
-        metrics["total_samples_duplicated"] = float(sum(max(0.0, round(c - self.group_size, 6))
+            self.samples_per_group[sample.group_id] += 1 if sample.episode_rows == 1 else Fraction(1, sample.episode_rows)
+        metrics["total_samples_duplicated"] = float(sum(max(0, c - self.group_size)
                                                         for c in self.samples_per_group.values()))
         self.items += len(seen)
         return metrics

@@ -405,12 +405,12 @@ class WeightSubscriber:
         try:
             group = self._join(broadcast, rank)
             unchanged = record["unchanged"]  # not broadcast: the object store holds them (frozen tensors)
-            state = from_object_store(record["layout"][:unchanged], record["refs"][:unchanged])
-            for bucket in record["layout"][unchanged:]:
+            state: StateDict = {}
+            for bucket in record["layout"][unchanged:]:  # first: the publisher waits on every rank
                 buffer = torch.empty(flat_size(bucket), dtype=torch.uint8, device=group.device)
                 state.update(unpack_flat(group.broadcast(buffer).cpu(), bucket))
             self.received_by_broadcast += 1
-            return state
+            return {**from_object_store(record["layout"][:unchanged], record["refs"][:unchanged]), **state}
         except Exception as error:  # noqa: BLE001 - any broadcast failure: the object store still has the version
             log.warning("weight subscriber %s missed the broadcast of version %d (%s); loading it from the object "
                         "store", self.name, record["version"], error)

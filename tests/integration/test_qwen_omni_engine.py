@@ -234,6 +234,9 @@ def test_a_released_thinker_and_talker_folder_loads_its_thinker_alone(tmp_path, 
     theirs = thinker.state_dict()
     assert model.state_dict().keys() == theirs.keys()
     assert all(torch.equal(t, theirs[name]) for name, t in model.state_dict().items())
+    model.save_pretrained(tmp_path / "export")  # what rlx export writes: the thinker alone, its own names
+    assert load_file(tmp_path / "export" / "model.safetensors").keys() == load_file(
+        thinker_path / "model.safetensors").keys()
     config = load_model_config(released)
     assert config.model_type == thinker.config.model_type
     assert processor_for(config, DataConfig()).placeholder_ids == {"image": I, "video": V, "audio": A}

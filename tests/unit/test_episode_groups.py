@@ -5,6 +5,8 @@ once, and training steps count responses, not rows."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -88,4 +90,29 @@ def test_a_training_step_takes_responses_in_shares_of_their_episodes():
                                      counts=lambda values: sum(response_shares(values, 0)))
         steps.append([v for _, values in loader for v in values["episode_rows"]])
     assert steps == [[3, 3, 3, 1], [2, 2, 1]], "a step ends at exactly two responses: thirds add up to one"
-    assert response_shares({"reward": [0.0, 1.0]}, 2) == [1.0, 1.0], "rows without episodes are one each"
+    assert response_shares({"reward": [0.0, 1.0]}, 2) == [1, 1], "rows without episodes are one each"
+
+
+def _steps(bus: LocalBus) -> list[list[int]]:
+    """Consecutive steps of one response each, as the Actor takes them: what a step took beyond its
+    count (`remaining` below 0) comes off the next one."""
+    steps, overshoot = [], Fraction(0)
+    while bus.index.ready("train", ["episode_rows"]):
+        loader = StreamingDataLoader(bus, "train", ["episode_rows"], micro_batch_size=4, rows_per_step=1 + overshoot,
+                                     timeout=1, counts=lambda values: sum(response_shares(values, 0)))
+        steps.append([v for _, values in loader for v in values["episode_rows"]])
+        overshoot = min(Fraction(0), loader.remaining)
+    return steps
+
+
+def test_shares_are_exact_and_a_step_that_took_too_much_leaves_less_to_the_next():
+    bus = LocalBus()  # 8 episodes of 3 samples in micro-batches of 4: floats would leave a sliver and take a 25th row
+    bus.put({"episode_rows": [3] * 24}, group_ids=[g // 3 for g in range(24)])
+    loader = StreamingDataLoader(bus, "train", ["episode_rows"], micro_batch_size=4, rows_per_step=8, timeout=1,
+                                 counts=lambda values: sum(response_shares(values, 0)))
+    assert sum(len(rows) for rows, _ in loader) == 24 and loader.remaining == 0
+    # an episode's third sample arrives after a plain response: the first step ends on that whole
+    # response (2/3 too much), and the second takes only the third sample
+    bus = LocalBus()
+    bus.put({"episode_rows": [3, 3, 1, 3]}, group_ids=[0, 0, 1, 0])
+    assert _steps(bus) == [[3, 3, 1], [3]]

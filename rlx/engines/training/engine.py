@@ -202,15 +202,15 @@ class TrainingEngine:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def frozen_weights(self) -> frozenset[str]:
-        """Names in `weights()` no step changes: parameters `train.trainable` froze whose storage no
-        trainable parameter shares (a tied embedding trains with its head). Buffers are never
-        counted frozen: a module in train mode may update them."""
+        """Names in `weights()` no step changes: parameters `train.trainable` froze, but for one
+        whose data a trained parameter shares (a head tied to a trained embedding moves with it,
+        even as a Parameter of its own). Buffers are never counted frozen: a module in train mode
+        may update them. (Data pointers, not storages: the Actor's parameters share bucket storages.)"""
         if not self.config.trainable:
             return frozenset()
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        moving = {p.untyped_storage().data_ptr() for p in params.values() if p.requires_grad}
-        return frozenset(name for name, p in params.items()
-                         if not p.requires_grad and p.untyped_storage().data_ptr() not in moving)
+        params = list(self.model.named_parameters(remove_duplicate=False))
+        moving = {p.data_ptr() for _, p in params if p.requires_grad}
+        return frozenset(name for name, p in params if not p.requires_grad and p.data_ptr() not in moving)
 
     def save_checkpoint(self, directory: Path, extra_state: dict, extra_files: dict[str, bytes] | None = None) -> Path:
         """This engine alone as one checkpoint (see `rlx.checkpoints`): complete or absent, never half."""

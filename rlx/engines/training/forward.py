@@ -39,7 +39,11 @@ def call_with_media(model: PreTrainedModel, media_inputs: Callable[[], dict[str,
         return model(**kwargs, **media_inputs())
 
     def add_inputs(_: Any, args: tuple, known: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        return args, {**known, **media_inputs()}
+        # FSDP2 cast the forward's inputs to its compute dtype before this hook: these get the same
+        dtype = next(model.parameters()).dtype
+        made = {key: value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+                for key, value in media_inputs().items()}
+        return args, {**known, **made}
 
     handle = model.register_forward_pre_hook(add_inputs, with_kwargs=True)
     try:
