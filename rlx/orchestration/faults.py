@@ -29,12 +29,15 @@ class Hangable(Protocol):
     def hang(self) -> None: ...
 
 
-def inject(kind: str, worker: Hangable) -> None:
-    """In a replica: exit the process a moment from now, or hang its worker loop."""
-    if kind == "kill":
-        threading.Timer(KILL_DELAY_S, os._exit, args=(1,)).start()
-    else:
+def inject(kind: str, worker: Hangable, delay_s: float = KILL_DELAY_S) -> None:
+    """In a replica: exit the process `delay_s` from now (a remote call answers first; 0: at once),
+    or hang its worker loop."""
+    if kind == "hang":
         worker.hang()
+    elif delay_s <= 0:
+        os._exit(1)
+    else:
+        threading.Timer(delay_s, os._exit, args=(1,)).start()
 
 
 class StepFaults:

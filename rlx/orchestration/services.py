@@ -237,7 +237,8 @@ class RoleService:
 
     def schedule_fault(self, kind: str, at_step: int) -> None:
         """Fault injection at the trainer's own step (the Actor): exact, where the driver's view lags."""
-        self.worker.step_faults.schedule(at_step, lambda: self.inject_fault(kind))
+        # fired by the worker itself, right after that step: a kill exits at once, before another step runs
+        self.worker.step_faults.schedule(at_step, lambda: inject(kind, self.worker, delay_s=0))
 
     def inject_fault(self, kind: str) -> None:
         """Fault injection (`faults` in the config): die a moment after answering, or hang."""

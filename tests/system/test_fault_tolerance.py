@@ -29,22 +29,23 @@ def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
     # recovered for the run to reach its last step
     # KL to a reference and decoupled PPO bring in the Reference and ActorFwd roles, killed too; the DCS
     # coordinator is killed, then hung. The Reference runs two replicas: the role serves on while one is replaced
-    # A fault fires once the driver sees its step; the next step needs the role back (each is on the
-    # Actor's path, or stalls it within max_staleness), so one step apart the faults still come one by one.
-    config = paced_async_config(tiny_path, tmp_path, train__steps=12, train__hang_timeout_s=6,
+    # A fault fires once the driver sees its step; two roles fail together each time (they recover
+    # side by side, and the run must get both back: each is on the Actor's path, or stalls it within
+    # max_staleness)
+    config = paced_async_config(tiny_path, tmp_path, train__steps=9, train__hang_timeout_s=6,
                                 algorithm__kl_coef=0.05, algorithm__behavior_correction="decoupled",
                                 resources__reference={"replicas": 2})
     config.faults = [FaultConfig(role="reward", at_step=2, kind="kill"),
+                     FaultConfig(role="advantages", at_step=2, kind="hang"),
                      FaultConfig(role="rollout", at_step=3, kind="kill"),
-                     FaultConfig(role="advantages", at_step=4, kind="hang"),
-                     FaultConfig(role="reference", at_step=5, kind="kill"),
-                     FaultConfig(role="actor_fwd", at_step=6, kind="kill"),
-                     FaultConfig(role="dcs", at_step=7, kind="kill"),  # the weight coordinator
-                     FaultConfig(role="dcs", at_step=9, kind="hang")]
+                     FaultConfig(role="reference", at_step=3, kind="kill"),
+                     FaultConfig(role="actor_fwd", at_step=4, kind="kill"),
+                     FaultConfig(role="dcs", at_step=4, kind="kill"),  # the weight coordinator
+                     FaultConfig(role="dcs", at_step=6, kind="hang")]
     run_dir = run_async(config, echo=print)
 
     steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
-    assert [r["step"] for r in steps] == list(range(1, 13))  # the run completed
+    assert [r["step"] for r in steps] == list(range(1, 10))  # the run completed
     assert steps[-1]["total_samples_duplicated"] == 0  # no sample reached the trainer twice
     for r in steps:  # every row of every step is accounted for: trained or filtered with a reason
         assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
@@ -99,10 +100,10 @@ def test_a_lost_critic_and_a_lost_actor_restart_from_their_own_checkpoints(tiny_
     assert (run_dir / "checkpoints" / "critic" / "step_000002").is_dir()
 
     health, records = recovered_globally(run_dir, "actor")
-    # the kill lands right after step 7 (or, a moment late, after step 8 but before its checkpoint):
-    # the trainer restarts from its own step-6 checkpoint
+    # the Actor kills itself right after its own step 7 (before another step can run): the trainer
+    # restarts from its own step-6 checkpoint
     ((lost, restored),) = health["weights"]["rollbacks"]
-    assert restored == 6 and lost in (7, 8), health["weights"]["rollbacks"]
+    assert restored == 6 and lost == 7, health["weights"]["rollbacks"]
     assert health["samples_rolled_back"] == (lost - restored) * 16
     steps = [r["step"] for r in records]
     assert steps[-6:] == list(range(7, 13)), steps  # the new trainer reported steps 7 to 12
