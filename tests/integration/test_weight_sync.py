@@ -110,7 +110,7 @@ def test_subscribers_load_each_version_and_old_versions_are_released(cluster, mo
         ray.kill(engine)
 
 
-@pytest.mark.parametrize("channel", ["object-store", "gloo"])
+@pytest.mark.parametrize("channel", ["gloo"])  # the late engine reads every bucket from the object store
 def test_frozen_weights_are_put_once_and_every_version_still_arrives_whole(cluster, model, tiny_path, channel):
     """A trained adapter on a frozen model: the frozen tensors' buckets are the same objects in
     every version (never put or broadcast again), and engines, old and new, hold every tensor."""
