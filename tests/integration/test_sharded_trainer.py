@@ -335,3 +335,23 @@ def test_a_media_step_on_two_ranks_equals_one_process(ray_cluster, tmp_path):
         assert max_difference(single.weights(), group.weights()) < 1e-4
     finally:
         group.close()
+
+
+def test_a_partly_frozen_model_steps_on_two_ranks_as_one_process(ray_cluster, tiny_path, tmp_path):
+    """`train.trainable` on a sharded Actor: frozen parameters stay as they were, the trained ones
+    move as in one process (FSDP2 units that mix frozen and trained parameters)."""
+    samples = batch()
+    one, two = config_for(tiny_path, tmp_path, 1), config_for(tiny_path, tmp_path, 2)
+    one.train.trainable = two.train.trainable = ["model.layers.0.*", "lm_head.*"]
+    single, group = build_actor_rank(one, tiny_path), build_actor(two, tiny_path)
+    try:
+        before = {k: v.clone() for k, v in single.weights().items()}
+        expected = train_one_step(single, samples, 3)
+        got = train_one_step(group, samples, 3)
+        after = single.weights()
+        moved = {k for k in before if not torch.equal(before[k], after[k])}
+        assert moved and all(k.startswith(("model.layers.0.", "lm_head.")) for k in moved), moved
+        assert max_difference(after, group.weights()) < TOLERANCE
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    finally:
+        group.close()
