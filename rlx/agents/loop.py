@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from rlx.agents.chat import ChatTokens, TemplateDrift, check_template
 from rlx.agents.environments import Environment, EnvironmentFactory, opening_messages
 from rlx.agents.trajectory import Trajectory
+from rlx.data.prompts import with_model_placeholders
 from rlx.data.rows import DataError, Messages, PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import SamplingParams
@@ -197,16 +198,13 @@ class AgentRollout(ConcurrentRollout):
             trajectory.add_observation(observation)
             messages = [*messages, {"role": "assistant", "content": text}, *step.observation]
 
-
     def _opening(self, messages: Messages, row: PromptRow) -> tuple[list[int], MediaInputs | None]:
         """The opening prompt's ids; with the row's media, each dataset placeholder (`<image>`) as the
         model's own token expanded to the item's tokens, and the media as model inputs."""
         if not row.media:
             return self.chat.prompt_ids(messages), None
-        text = self.chat.render(messages, add_generation_prompt=True)
-        for tag, token in self.placeholder_text.items():
-            text = text.replace(tag, token)
-        ids = self.chat.encode(text)
+        ids = self.chat.encode(with_model_placeholders(self.chat.render(messages, add_generation_prompt=True),
+                                                       self.placeholder_text))
         key = (id(row), tuple(ids))
         with self._opened_lock:
             if key in self._opened:

@@ -29,10 +29,16 @@ def prompt_token_ids(row: PromptRow, tokenizer: PreTrainedTokenizerBase, system_
 
     `placeholders`: dataset placeholder -> the model's own placeholder token (`<image>` ->
     `<|image_pad|>` for Qwen-VL), substituted before tokenising so each stays one token."""
-    text = render_prompt(row, tokenizer, system_prompt, apply_chat_template)
+    text = with_model_placeholders(render_prompt(row, tokenizer, system_prompt, apply_chat_template), placeholders)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def with_model_placeholders(text: str, placeholders: Mapping[str, str] | None) -> str:
+    """`text` with each dataset placeholder (`<image>`) as the model's own placeholder token, so
+    that it tokenises to one token the processor expands."""
     for tag, token in (placeholders or {}).items():
         text = text.replace(tag, token)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text
 
 
 def encode_prompt(row: PromptRow, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None,

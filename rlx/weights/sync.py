@@ -5,9 +5,10 @@ the channel settings). `publisher()` and `subscriber()` build the two ends. Call
 coordinator retry while Serve replaces a lost coordinator, for up to `timeout_s`.
 
 Every version goes to the object store in buckets, so a new or restarted engine can always pull
-the latest version, never a checkpoint from disk. Tensors the trainer never changes (`train.trainable` froze them: a language model under a
-trained adapter) sit in buckets of their own, put into the object store once and named again in
-every later version; only the other buckets are put (and broadcast) each step.
+the latest version, never a checkpoint from disk. Tensors the trainer never changes
+(`train.trainable` froze them: a language model under a trained adapter) sit in buckets of their
+own, put into the object store once and named again in every later version; only the other
+buckets are put (and broadcast) each step.
 
 The buckets belong to the publishing process
 (Ray 2.56 removed `ray.put(_owner=...)`, and routing 500 MB through the coordinator would cost a
@@ -212,7 +213,7 @@ class WeightPublisher:
     def __init__(self, sync: WeightSync, refill: bool = False) -> None:
         self.sync = sync
         self._layout: tuple[tuple, list[Bucket], int] | None = None  # key, buckets, how many hold frozen tensors
-        self._frozen_refs: tuple[tuple, list] | None = None  # layout key, refs of the frozen buckets
+        self._frozen_refs: list | None = None  # the frozen buckets of the current layout, once put
         self._group: BroadcastGroup | None = None
         self._store = None
         if sync.channel != "object-store":
@@ -255,6 +256,7 @@ class WeightPublisher:
             moving = {name: t for name, t in state_dict.items() if name not in frozen}
             fixed = plan_buckets(still, self.sync.bucket_bytes) if still else []
             self._layout = (key, fixed + plan_buckets(moving, self.sync.bucket_bytes), len(fixed))
+            self._frozen_refs = None  # a new layout: its frozen buckets are put anew
         return self._layout[1], self._layout[2]
 
     def publish(self, state_dict: StateDict, version: int, rollback: bool = False,
@@ -265,12 +267,11 @@ class WeightPublisher:
         buckets are put once (again after a rollback) and reused by later versions."""
         started = time.monotonic()
         layout, fixed = self.layout(state_dict, frozen)
-        key = self._layout[0]
-        unchanged = fixed if self._frozen_refs is not None and self._frozen_refs[0] == key and not rollback else 0
+        unchanged = fixed if self._frozen_refs is not None and not rollback else 0
         # one numpy buffer per bucket: the object store copies it once, at memcpy speed
-        refs = [*self._frozen_refs[1][:unchanged]] if unchanged else []
+        refs = (self._frozen_refs or [])[:unchanged]
         refs += [ray.put(flat_bucket(state_dict, bucket).cpu().numpy()) for bucket in layout[unchanged:]]
-        self._frozen_refs = (key, refs[:fixed])
+        self._frozen_refs = refs[:fixed]
         flats = (flat_bucket(state_dict, bucket) for bucket in layout[unchanged:])
         return self._announce(layout, refs, version, rollback, time.monotonic() - started, flats, unchanged)
 

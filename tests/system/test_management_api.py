@@ -237,6 +237,13 @@ def wait_for(predicate, timeout: float = 300.0, every: float = 0.5):
     raise TimeoutError("condition not met in time")
 
 
+def stop_run(run_dir: Path) -> None:
+    """End a run through its management API, as a test's driver thread does when it is done or failed."""
+    url = wait_for(lambda: json.loads((run_dir / "api.json").read_text())["url"])
+    token = (run_dir / "api_token").read_text()
+    requests.post(f"{url}/v1/stop", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+
 def fuzz_without_token(url: str, auth: dict[str, str]) -> None:
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=auth)
 
@@ -290,9 +297,7 @@ def test_api_scales_rollout_and_guards_every_mutation(tiny_path, tmp_path):
             drive(run_dir, seen)
         except BaseException as exc:  # noqa: BLE001 - surfaced below; the run still has to be stopped
             errors.append(exc)
-            url = wait_for(lambda: json.loads((run_dir / "api.json").read_text())["url"])
-            token = (run_dir / "api_token").read_text()
-            requests.post(f"{url}/v1/stop", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+            stop_run(run_dir)
 
     thread = threading.Thread(target=driver, daemon=True)
     thread.start()

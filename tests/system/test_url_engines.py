@@ -26,7 +26,7 @@ from rlx.orchestration.async_run import run_async
 from rlx.orchestration.services import HEARTBEAT_S
 from tests.integration.test_colocate_loop import toy_config
 from tests.support.vllm_server import VLLMServer, build_tiny_h32
-from tests.system.test_management_api import wait_for
+from tests.system.test_management_api import stop_run, wait_for
 
 pytestmark = pytest.mark.slow  # a run, a second server process and its relay: about 2-3 minutes here
 
@@ -123,9 +123,7 @@ def test_a_server_added_by_url_serves_the_current_weights_and_its_death_requeues
             drive(run_dir, server_url, server, seen)
         except BaseException as exc:  # noqa: BLE001 - surfaced below; the run still has to be stopped
             errors.append(exc)
-            api = json.loads((run_dir / "api.json").read_text())["url"]
-            requests.post(f"{api}/v1/stop", headers={"Authorization": f"Bearer {(run_dir / 'api_token').read_text()}"},
-                          timeout=30)
+            stop_run(run_dir)
 
     thread = threading.Thread(target=driver, daemon=True)
     started = time.monotonic()
@@ -208,9 +206,7 @@ def test_a_real_vllm_server_added_by_url_loads_the_current_weights_and_serves(tm
         except BaseException as exc:  # noqa: BLE001 - surfaced below; the run still has to be stopped
             errors.append(exc)
         finally:
-            api = json.loads((run_dir / "api.json").read_text())["url"]
-            requests.post(f"{api}/v1/stop", headers={"Authorization": f"Bearer {(run_dir / 'api_token').read_text()}"},
-                          timeout=30)
+            stop_run(run_dir)
 
     thread = threading.Thread(target=driver, daemon=True)
     try:
