@@ -311,8 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "keeps earlier results found in --work-dir")
     bench.add_argument("--eval-size", type=int, help="staleness, trl: held-out problems per evaluation (1000, "
                        "or 500 for trl)")
-    bench.add_argument("--cells", help="staleness: run only these max_staleness:correction pairs (all seeds), "
-                       "e.g. 0:none,4:decoupled; finished cells found in --work-dir stay in the table")
+    bench.add_argument("--cells", help="staleness: run only these max_staleness:correction pairs "
+                       "(every seed, or one named after them), e.g. 0:none,4:tis:0; finished cells found in --work-dir stay in the table")
     bench.add_argument("--out", help="default docs/benchmarks.md (algorithms, staleness: docs/algorithms.md)")
     bench.set_defaults(func=_bench)
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rlx.data.prompts import with_model_placeholders
 from rlx.data.rows import Messages
 
 if TYPE_CHECKING:
@@ -80,9 +82,11 @@ class ChatTokens:
         """A policy turn as the environment reads it."""
         return self.tokenizer.decode(turn_ids, skip_special_tokens=True)
 
-    def observation_ids(self, before: Messages, turn_ids: list[int], observation: Messages) -> list[int]:
+    def observation_ids(self, before: Messages, turn_ids: list[int], observation: Messages,
+                        placeholders: Mapping[str, str] | None = None) -> list[int]:
         """The tokens after a policy turn (`turn_ids`, which followed the conversation `before`) up to
-        the header of the next assistant turn, with `observation` in between."""
+        the header of the next assistant turn, with `observation` in between. `placeholders`: dataset
+        placeholder -> the model's placeholder token, for an observation that shows media."""
         turn = {"role": "assistant", "content": self.turn_text(turn_ids)}
         opened = self.render(before, add_generation_prompt=True)
         with_turn = self.render([*before, turn], add_generation_prompt=False)
@@ -90,7 +94,8 @@ class ChatTokens:
         if not (with_turn.startswith(opened) and after.startswith(with_turn)):
             raise TemplateDrift("the chat template changes earlier text when messages are added")
         written = with_turn[len(opened):]  # the turn as the template writes it
-        return self.encode(self._turn_closing(written, turn_ids) + after[len(with_turn):])
+        return self.encode(with_model_placeholders(self._turn_closing(written, turn_ids) + after[len(with_turn):],
+                                                   placeholders))
 
     def _turn_closing(self, written: str, turn_ids: list[int]) -> str:
         """What the template writes after the policy's last token (e.g. the newline after <|im_end|>)."""

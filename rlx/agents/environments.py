@@ -8,6 +8,8 @@ break token exactness. Built in:
   final answer, which the run's reward scores.
 - `feedback`: no tools; a wrong answer gets "not correct, try again" until it is right or
   `rollout.agent.max_turns` runs out (multi-turn without tools).
+An observation may show images, audio or video (`EnvStep.media`, placeholders in its text): the
+rollout expands and encodes them as it does a row's, and the trajectory carries them from then on.
 A user environment is a class `package.module:Name`, built with `rollout.agent.environment_options`
 as keyword arguments, one instance per trajectory.
 """
@@ -32,6 +34,9 @@ if TYPE_CHECKING:
 @dataclass
 class EnvStep:
     observation: Messages = field(default_factory=list)  # messages appended after the policy's turn
+    # media the observation shows: modality ("image", "audio", "video") -> items in the order of their
+    # placeholders (`<image>`, ...) in the observation's text; an item as in a dataset row (rlx.data.media)
+    media: dict[str, list[Any]] = field(default_factory=dict)
     done: bool = False
     reward: float | None = None  # the environment's own reward, if it gives one (reward.name=environment)
     tool_calls: list[ToolCallRecord] = field(default_factory=list)

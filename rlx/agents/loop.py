@@ -8,7 +8,9 @@ concurrently, on their trajectories' threads.
 
 Media: a row's images, audio or video reach the opening prompt (its placeholders expanded by the
 rollout's processor, once per group) and go with every turn's request, since each turn prefills
-the whole context; observations are text.
+the whole context. An observation may show media of its own (`EnvStep.media`): the processor
+expands its placeholders and encodes its items, and from then on every request carries them after
+the opening's (one part per observation, so the group's shared opening stays one object).
 
 Prefix reuse: the `hf` engine prefills the whole context again for each turn (it keeps no cache
 between requests). vLLM reuses the prefix's KV cache with `rollout.engine_options:
@@ -27,17 +29,19 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlx.agents.chat import ChatTokens, TemplateDrift, check_template
 from rlx.agents.environments import Environment, EnvironmentFactory, opening_messages
 from rlx.agents.trajectory import Trajectory
+from rlx.data.media import row_media
 from rlx.data.prompts import with_model_placeholders
 from rlx.data.rows import DataError, Messages, PromptRow
 from rlx.data.sample import Sample
 from rlx.engines.generation.base import SamplingParams
 from rlx.engines.generation.engine_loop import EngineLoop
 from rlx.media.inputs import MediaInputs
+from rlx.media.loading import MEDIA_KINDS
 from rlx.roles.rollout import Group, Rollout
 
 if TYPE_CHECKING:
@@ -121,9 +125,10 @@ class AgentRollout(ConcurrentRollout):
                  concurrency: int, processor: MediaProcessor | None = None) -> None:
         super().__init__(engine, tokenizer, concurrency, processor)
         self.environments, self.limits = environments, limits
-        # a group's trajectories open alike: their media is processed once (at most one group per
-        # trajectory in flight is kept; one evicted early is only processed again)
-        self._opened: OrderedDict[tuple[int, tuple[int, ...]], tuple[PromptRow, list[int], MediaInputs]] = OrderedDict()
+        # a group's trajectories open alike: their media is processed once, by the first to open, while
+        # the others wait for it (at most one group per trajectory in flight is kept; one evicted early
+        # is only processed again)
+        self._opened: OrderedDict[tuple[int, tuple[int, ...]], tuple[PromptRow, Future]] = OrderedDict()
         self._opened_lock = threading.Lock()
         probe = environments()
         self.chat = ChatTokens(tokenizer, probe.tool_specs)
@@ -169,7 +174,7 @@ class AgentRollout(ConcurrentRollout):
         while True:
             budget = limits.max_trajectory_tokens - len(trajectory.response_ids)
             turn_params = params if budget >= params.max_new_tokens else dataclasses.replace(params, max_new_tokens=budget)
-            result = loop.submit(trajectory.context_ids, turn_params, trajectory.media).result()
+            result = loop.submit(trajectory.context_ids, turn_params, trajectory.request_media).result()
             trajectory.add_policy(result.response_ids, result.logprobs, result.weight_version,
                                   result.extra.get("last_weight_version"), result.routed_experts)
             text = self.chat.turn_text(result.response_ids)
@@ -190,13 +195,41 @@ class AgentRollout(ConcurrentRollout):
             if trajectory.turns >= limits.max_turns:
                 return _finish(trajectory, "max_turns")
             try:
-                observation = self.chat.observation_ids(messages, result.response_ids, step.observation)
+                observation = self.chat.observation_ids(messages, result.response_ids, step.observation,
+                                                        self.placeholder_text if step.media else None)
             except TemplateDrift:
                 return _finish(trajectory, "template_drift")
+            try:
+                observation, shown = self._shown(row, trajectory.turns, observation, step.media)
+            except DataError as error:  # media the environment got wrong fail its trajectory only
+                log.warning("environment media refused: %s", error)
+                trajectory.env_error = str(error)
+                return _finish(trajectory, "env_error")
             if len(trajectory.response_ids) + len(observation) >= limits.max_trajectory_tokens:
-                return _finish(trajectory, "max_tokens")
-            trajectory.add_observation(observation)
+                return _finish(trajectory, "max_tokens")  # never cut: a media span stays whole
+            trajectory.add_observation(observation, shown)
             messages = [*messages, {"role": "assistant", "content": text}, *step.observation]
+
+    def _shown(self, row: PromptRow, turn: int, ids: list[int], media: dict[str, list[Any]],
+               ) -> tuple[list[int], MediaInputs | None]:
+        """An observation's ids with the placeholders of the media it shows expanded, and that
+        media as model inputs; refused, naming the row and turn, if the two do not match."""
+        where = f"{row.source or 'row'}: the environment's observation after turn {turn}"
+        placeholder_ids = set(self.processor.placeholder_ids.values()) if self.processor is not None else set()
+        if not media:
+            if stray := placeholder_ids.intersection(ids):
+                raise DataError(f"{where} holds media placeholder token(s) {sorted(stray)} but shows no media: "
+                                "return the items in EnvStep.media, or keep placeholders out of the observation text")
+            return ids, None
+        if self.processor is None:
+            raise DataError(f"{where} shows media, but the run has no media processor: set data.media_keys "
+                            "(e.g. {image: images}; rows need not carry any) with a model that takes media")
+        if unknown := set(media) - set(MEDIA_KINDS):
+            raise DataError(f"{where}: EnvStep.media has {sorted(unknown)}; its keys are {', '.join(MEDIA_KINDS)}")
+        limits = self.processor.limits
+        shown = PromptRow(prompt="", label="", source=where,
+                          media=row_media(media, where, {kind: kind for kind in media}, limits, limits.root_dir))
+        return self.processor(ids, shown)
 
     def _opening(self, messages: Messages, row: PromptRow) -> tuple[list[int], MediaInputs | None]:
         """The opening prompt's ids; with the row's media, each dataset placeholder (`<image>`) as the
@@ -207,15 +240,18 @@ class AgentRollout(ConcurrentRollout):
                                                        self.placeholder_text))
         key = (id(row), tuple(ids))
         with self._opened_lock:
-            if key in self._opened:
-                _, expanded, media = self._opened[key]
-                return expanded, media
-        expanded, media = self.prepare(row, ids)
-        with self._opened_lock:
-            self._opened[key] = (row, expanded, media)  # the row kept alive: its id stays its own
-            while len(self._opened) > self.concurrency:
-                self._opened.popitem(last=False)
-        return expanded, media
+            first = key not in self._opened
+            if first:
+                self._opened[key] = (row, Future())  # the row kept alive: its id stays its own
+                while len(self._opened) > self.concurrency:
+                    self._opened.popitem(last=False)
+            _, opened = self._opened[key]
+        if first:
+            try:
+                opened.set_result(self.prepare(row, ids))
+            except BaseException as error:  # noqa: BLE001 - raised below, in every trajectory of the group
+                opened.set_exception(error)
+        return opened.result()
 
 
 def _finish(trajectory: Trajectory, reason: str) -> Trajectory:
@@ -235,11 +271,13 @@ def trajectory_sample(uid: int, group_id: int, row: PromptRow, trajectory: Traje
         behavior_version=trajectory.behavior_version or 0, last_behavior_version=trajectory.last_behavior_version,
         finish_reason=trajectory.finish_reason, response_text=trajectory.final_text, prompt_text=row.question,
         label=row.label, metadata=metadata, agent_stats=trajectory_stats(trajectory),
-        routed_experts=trajectory.routed_experts, media_inputs=trajectory.media)
+        routed_experts=trajectory.routed_experts, media_inputs=trajectory.media,
+        observed_media=tuple(trajectory.observed_media) or None)
 
 
 def trajectory_stats(trajectory: Trajectory) -> dict:
     """What the trainer's metrics need of a trajectory (a bus field: JSON-safe)."""
     return {"turns": trajectory.turns, "masked_tokens": trajectory.masked_tokens,
+            "observations_with_media": len(trajectory.observed_media),
             "tool_calls": [[c.tool, c.outcome, round(c.latency_s, 4)] for c in trajectory.tool_calls]}
 

@@ -43,8 +43,14 @@ class Trajectory:
     env_reward: float | None = None  # a reward the environment gave at the end, if it gives one
     env_error: str | None = None  # why the episode failed (an agent app that raised, hung, returned garbage)
     routed_experts: Any = None  # MoE: experts per position, each from the first forward that computed it
-    media: Any = None  # the prompt's media as model inputs (rlx.media): sent with every turn's request
+    media: Any = None  # the opening prompt's media as model inputs (rlx.media): shared by the group
+    observed_media: list[Any] = field(default_factory=list)  # what each observation showed, in order
 
+    @property
+    def request_media(self) -> Any:
+        """The media of the whole context, sent with every turn's request (each turn prefills it
+        all): the opening's, then each observation's, as parts (`rlx.media.inputs.RowMedia`)."""
+        return (self.media, *self.observed_media) if self.observed_media else self.media
 
     def add_policy(self, ids: list[int], logprobs: list[float], version: int, last_version: int | None = None,
                    routes: torch.Tensor | None = None) -> None:
@@ -64,8 +70,11 @@ class Trajectory:
             known = 0 if self.routed_experts is None else self.routed_experts.shape[0]
             self.routed_experts = routes if known == 0 else torch.cat([self.routed_experts, routes[known:]])
 
-    def add_observation(self, ids: list[int]) -> None:
-        """Append tokens the policy did not generate: they are context, never trained on."""
+    def add_observation(self, ids: list[int], media: Any = None) -> None:
+        """Append tokens the policy did not generate: they are context, never trained on. `media`:
+        the model inputs of the media their placeholders stand for, if they show any."""
+        if media:
+            self.observed_media.append(media)
         self.response_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.loss_mask += [0.0] * len(ids)

@@ -31,16 +31,19 @@ Cell = tuple[int, str, int]  # (max_staleness, correction, seed)
 
 
 def parse_cells(text: str | None) -> list[Cell] | None:
-    """`--cells 0:none,4:decoupled` -> those (staleness, correction) pairs, each with every seed."""
+    """`--cells 0:none,4:tis:1` -> those (staleness, correction) pairs, each with every seed or with
+    the one seed named after a second colon."""
     if not text:
         return None
     cells = []
     for item in text.split(","):
-        staleness, _, correction = item.partition(":")
-        if not staleness.isdigit() or correction not in CORRECTIONS:
-            raise ValueError(f"--cells item {item!r} is not <max_staleness>:<correction> with correction one of "
-                             f"{', '.join(CORRECTIONS)} (e.g. 4:decoupled)")
-        cells.extend((int(staleness), correction, seed) for seed in SEEDS)
+        parts = item.split(":")
+        if (len(parts) not in (2, 3) or not parts[0].isdigit() or parts[1] not in CORRECTIONS
+                or not all(seed.isdigit() for seed in parts[2:])):
+            raise ValueError(f"--cells item {item!r} is not <max_staleness>:<correction>[:<seed>] with correction "
+                             f"one of {', '.join(CORRECTIONS)} (e.g. 4:decoupled or 4:tis:0)")
+        seeds = [int(seed) for seed in parts[2:]] or SEEDS
+        cells.extend((int(parts[0]), parts[1], seed) for seed in seeds)
     return cells
 
 

@@ -25,6 +25,8 @@ class Sample:
     loss_mask: list[float] | None = None  # 0 on tokens the policy did not generate (tool results, feedback)
     routed_experts: Any = None  # MoE: the experts the engine chose per position (int16 tensor, rlx.models.moe)
     media_inputs: dict[str, Any] | None = None  # the prompt's media as model inputs: one object per group
+    # media a multi-turn trajectory's observations showed (model inputs, one object per observation)
+    observed_media: tuple[dict[str, Any], ...] | None = None
     agent_stats: dict[str, Any] | None = None  # multi-turn rollouts: turns, tool calls, masked tokens
     # an episode that made several samples (agent apps): its number within the group, and how many
     episode: int | None = None
@@ -40,3 +42,9 @@ class Sample:
     old_logprobs: list[float] | None = None  # proximal policy (ActorFwd), for decoupled PPO
     proximal_version: int | None = None  # the weight version ActorFwd computed `old_logprobs` with
     filter_reason: str | None = None  # why the sample is not trained on, if it is not
+
+    @property
+    def forward_media(self) -> Any:
+        """The media a forward over the whole sample takes: the prompt's, then what its
+        observations showed, as parts in placeholder order (`rlx.media.inputs.RowMedia`)."""
+        return (self.media_inputs, *self.observed_media) if self.observed_media else self.media_inputs

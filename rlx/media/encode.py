@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlx.media.inputs import MediaInputs, concat_media
+from rlx.media.inputs import MediaInputs, RowMedia, concat_media, media_parts
 
 if TYPE_CHECKING:  # transformers costs seconds to import
     from transformers import PreTrainedModel
@@ -98,30 +98,29 @@ VISION_ENCODERS: dict[str, VisionEncoder] = {"qwen3_vl": _deepstack_vision(lambd
 
 
 def forward_inputs(model: PreTrainedModel, input_ids: torch.Tensor,
-                   rows: Sequence[MediaInputs | None]) -> dict[str, Any]:
+                   rows: Sequence[RowMedia | None]) -> dict[str, Any]:
     """The token and media keyword arguments of a forward over `input_ids` (on the model's device)
-    whose rows carry `rows` (row order; rows of one group share one object)."""
+    whose rows carry `rows` (row order; rows of one group share one object, or one first part)."""
     model_type = getattr(model.config, "model_type", "")
-    if model_type in VISION_ENCODERS and any(rows):
-        rest = {key for row in rows if row for key in row} - set(VISION_INPUTS)
+    rows = media_parts(rows)
+    if model_type in VISION_ENCODERS and rows:
+        rest = {key for row in rows for key in row} - set(VISION_INPUTS)
         return {"input_ids": input_ids, **concat_media(rows, input_ids.device, only=rest),
                 "mm_encoder_outputs": vision_outputs(model, rows, VISION_ENCODERS[model_type])}
     encode = ENCODERS.get(model_type)
-    if encode is None or not any(rows):
+    if encode is None or not rows:
         return {"input_ids": input_ids, **concat_media(rows, input_ids.device)}
     return {"inputs_embeds": embed_with_media(model, input_ids, rows, encode)}
 
 
-def vision_outputs(model: PreTrainedModel, rows: Sequence[MediaInputs | None],
+def vision_outputs(model: PreTrainedModel, rows: Sequence[RowMedia | None],
                    encode: VisionEncoder) -> dict[str, Any]:
     """Per kind, the vision tower's output for every item of the batch in row order, each distinct
     media object encoded once (rows sharing it reuse its features: gradients flow back from each)."""
     device = next(model.parameters()).device
     encoded: dict[int, dict[str, Any]] = {}
     per_kind: dict[str, list[Any]] = defaultdict(list)
-    for media in rows:
-        if not media:
-            continue
+    for media in media_parts(rows):
         if id(media) not in encoded:
             encoded[id(media)] = encode(model, {key: value.to(device) for key, value in media.items()})
         for kind, output in encoded[id(media)].items():
@@ -136,16 +135,14 @@ def vision_outputs(model: PreTrainedModel, rows: Sequence[MediaInputs | None],
     return joined
 
 
-def embed_with_media(model: PreTrainedModel, input_ids: torch.Tensor, rows: Sequence[MediaInputs | None],
+def embed_with_media(model: PreTrainedModel, input_ids: torch.Tensor, rows: Sequence[RowMedia | None],
                      encode: Encoder) -> torch.Tensor:
     """Token embeddings with each placeholder replaced by its feature, each distinct media object
     encoded once."""
     embeds = model.get_input_embeddings()(input_ids)
     encoded: dict[int, dict[int, torch.Tensor]] = {}
     parts: dict[int, list[torch.Tensor]] = defaultdict(list)
-    for media in rows:
-        if not media:
-            continue
+    for media in media_parts(rows):
         if id(media) not in encoded:
             encoded[id(media)] = encode(model, {key: value.to(embeds.device) for key, value in media.items()})
         for token, features in encoded[id(media)].items():

@@ -5,6 +5,11 @@ dimension runs over its images (or patches); a model scatters the encoded media 
 of its placeholder tokens in the order they occur in the flattened batch. So a batch's inputs are
 each row's, concatenated along dimension 0 in row order; rows without an input add nothing to it
 (a row with images only adds no video inputs).
+
+A row's media may come in parts (`RowMedia`): a multi-turn trajectory's opening media, shared by
+its group, then what each later observation showed. A part counts as a row of its own here, in
+order, which is where its placeholders sit; each part stays one object, so a shared opening is
+still encoded once (`rlx.media.encode`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 import torch
 
 MediaInputs = dict[str, torch.Tensor]
+RowMedia = MediaInputs | tuple[MediaInputs | None, ...]  # one object, or parts in placeholder order
 # config attributes that name a placeholder token the model replaces by media features
 PLACEHOLDER_ATTRIBUTES = ("image_token_id", "video_token_id", "audio_token_id", "image_token_index")
 # config attributes that name the markers around a media item (Qwen-VL, Qwen-Omni)
@@ -24,11 +30,17 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def concat_media(rows: Sequence[MediaInputs | None], device: torch.device | str | None = None,
+def media_parts(rows: Sequence[RowMedia | None]) -> list[MediaInputs]:
+    """Every media object of the rows, in row order and, within a row, part by part."""
+    return [part for row in rows if row for part in (row if isinstance(row, tuple) else (row,)) if part]
+
+
+def concat_media(rows: Sequence[RowMedia | None], device: torch.device | str | None = None,
                  only: Collection[str] | None = None) -> MediaInputs:
     """One forward's media keyword arguments from its rows' (in row order); {} when none has media.
     Each input joins the rows that have it: a row's images and another's video both reach the model.
     `only`: just these inputs (e.g. the grids positions are computed from)."""
+    rows = media_parts(rows)
     keys = dict.fromkeys(key for row in rows if row for key in row if only is None or key in only)
     return {key: torch.cat([row[key] for row in rows if row and key in row]).to(device) for key in keys}
 

@@ -40,6 +40,7 @@ class MediaProcessorPool:
         from rlx.media.processor import processor_for
 
         self.placeholder_ids = processor_for(model_config, data).placeholder_ids  # checks the model takes media
+        self.limits = data.media_limits
         self._open = (model_config, data)
         self.workers = workers
         self.pool: ProcessPool[_ProcessorProcess] = ProcessPool(_ProcessorProcess, workers, "media processor")

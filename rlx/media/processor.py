@@ -38,6 +38,7 @@ SECONDS_PER_GRID_INPUT = {"qwen2_5_vl": "second_per_grid_ts", "qwen2_5_omni_thin
 
 class MediaProcessor(Protocol):
     placeholder_ids: dict[str, int]  # modality -> the token one item stands as in the prompt
+    limits: MediaLimits  # what media it reads: the same bounds for a row's and an environment's
 
     def __call__(self, prompt_ids: list[int], row: PromptRow) -> tuple[list[int], MediaInputs]:
         """The prompt's token ids with each placeholder expanded, and its media as model inputs."""

@@ -78,6 +78,8 @@ FIELDS: tuple[FieldSpec, ...] = (
               present_when=lambda c: c.routing_replay == "r3"),
     FieldSpec("media_inputs", ROLLOUT, TOKEN_CONSUMERS, "media", scope="group",
               present_when=lambda c: c.data.has_media),
+    FieldSpec("observed_media", ROLLOUT, TOKEN_CONSUMERS, "media",
+              present_when=lambda c: c.data.has_media and c.rollout.agent is not None),
     FieldSpec("behavior_version", ROLLOUT, ("train",), "int64"),
     FieldSpec("last_behavior_version", ROLLOUT, ("train",), "int64"),
     FieldSpec("finish_reason", ROLLOUT, ("train",), "str"),

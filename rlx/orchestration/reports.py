@@ -73,7 +73,8 @@ def distillation_metrics(samples: list[Sample]) -> dict[str, float]:
 
 def agent_metrics(samples: list[Sample]) -> dict[str, float]:
     """Multi-turn rollouts: turns, tool calls by tool and outcome, tool latency, trajectories cut by
-    a limit, and the fraction of response tokens masked out of the loss (observations)."""
+    a limit, the fraction of response tokens masked out of the loss (observations), and the
+    observations that showed media."""
     stats = [s.agent_stats for s in samples if s.agent_stats is not None]
     if not stats:
         return {}
@@ -88,6 +89,8 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
         # agent apps: an episode whose calls do not all continue one conversation makes several samples
         "agent_samples_per_episode": len(stats) / sum(1 / s.episode_rows for s in samples if s.agent_stats is not None),
     }
+    if shown := sum(entry.get("observations_with_media", 0) for entry in stats):  # environments that show media
+        metrics["agent_media_observations_mean"] = shown / len(stats)
     if calls:
         metrics["agent_tool_latency_mean_s"] = sum(latency for _, _, latency in calls) / len(calls)
     for (tool, outcome), count in sorted(Counter((tool, outcome) for tool, outcome, _ in calls).items()):

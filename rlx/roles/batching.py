@@ -17,7 +17,7 @@ def samples_to_batch(samples: list[Sample], pad_token_id: int, per_token: dict[s
         loss_masks=[s.loss_mask if s.loss_mask is not None else [1.0] * len(s.response_ids) for s in samples],
         per_token=per_token,
         routes=_routes(samples),
-        media=[s.media_inputs for s in samples],
+        media=[s.forward_media for s in samples],
     )
 
 

@@ -92,3 +92,29 @@ class HangsOnReset(ScriptedTool):
     def reset(self, row: PromptRow) -> list[dict]:
         re.match(r"(a+)+$", "a" * 64 + "b")
         return super().reset(row)
+
+
+class ShowsAnImage(Environment):
+    """Answers the first turn by showing an image of its own ("and this one?"), ends on the second.
+    `placeholders` and `items` set how many `placeholder`s the observation writes and how many images
+    it hands over (equal by default; a test makes them differ); `kind` is the modality key it uses."""
+
+    def __init__(self, placeholders: int = 1, items: int = 1, kind: str = "image", placeholder: str = "<image>",
+                 size: int = 28) -> None:
+        self.placeholders, self.items, self.kind, self.size = placeholders, items, kind, size
+        self.placeholder = placeholder
+        self.shown = False
+
+    def reset(self, row: PromptRow) -> list[dict]:
+        return [{"role": "user", "content": row.prompt}]
+
+    def step(self, action: str) -> EnvStep:
+        if self.shown:
+            return EnvStep(done=True, reward=1.0)
+        self.shown = True
+        import numpy as np
+
+        rng = np.random.default_rng(len(action))  # trajectories that answered differently see different images
+        images = [rng.integers(0, 256, (self.size, self.size + 8, 3), dtype=np.uint8) for _ in range(self.items)]
+        return EnvStep([{"role": "user", "content": "and this one? " + self.placeholder * self.placeholders}],
+                       media={self.kind: images} if images else {})

@@ -111,3 +111,18 @@ def test_group_fields_are_one_object_for_all_rows_and_survive_a_snapshot(bus):
     _, again = bus.get("reward", ["media_inputs"], 3, timeout=5)
     assert torch.equal(again["media_inputs"][2]["pixel_values"], media["pixel_values"])
     bus.clear(rows)
+
+
+def test_a_rows_own_media_comes_back_beside_its_groups_shared_media(bus):
+    """A multi-turn trajectory's observed media is a row field (a tuple of dicts, or None) next to
+    the group's media: each row gets its own, and the group's stays one object."""
+    opening = {"pixel_values": torch.randn(16, 3, 32, 32)}
+    shown = ({"pixel_values": torch.randn(64, 3, 32, 32)}, {"pixel_values": torch.randn(2, 3, 8, 8)})
+    bus.put_group(11, {"media_inputs": opening}, rows=2)
+    rows = bus.put({"response_ids": [[1], [2]], "observed_media": [shown, None]}, group_ids=[11, 11])
+    got, values = bus.get("train", ["media_inputs", "observed_media"], 2, timeout=5)
+    assert got == rows and values["media_inputs"][0] is values["media_inputs"][1]
+    first, second = values["observed_media"]
+    assert second is None and isinstance(first, tuple) and len(first) == 2
+    assert all(torch.equal(a["pixel_values"], b["pixel_values"]) for a, b in zip(first, shown))
+    bus.clear(rows)

@@ -5,6 +5,7 @@ Actor; the language model stays frozen while the vision side trains (`train.trai
 from __future__ import annotations
 
 import json
+import string
 
 import pytest
 from safetensors.torch import load_file
@@ -73,23 +74,27 @@ def test_async_media_travel_the_ray_bus_once_per_group(tiny_vision_path, tmp_pat
     assert steps and all(r["rollout_logprob_abs_diff"] < 1e-4 for r in steps)
 
 
-def test_a_multi_turn_run_carries_each_rows_image_into_every_turn(tiny_vision_path, tmp_path):
+def test_a_multi_turn_run_carries_each_rows_image_into_every_turn_and_shows_a_new_one(tiny_vision_path, tmp_path):
     """A row's image opens its trajectories (processed once per group) and goes with every turn's
-    request: the trainer's log-probs equal the engine's on every turn's policy tokens only if both
-    saw it with every turn."""
+    request; the environment answers the first turn with an image of its own, which goes with every
+    later request and reaches the trainer through the bus: the trainer's log-probs equal the
+    engine's on every turn's policy tokens only if both saw both images with every turn."""
     from rlx.models import load_tokenizer
-    from tests.system.test_agent_runs import AGENT
 
-    # a random tiny model rarely writes <eos>: frequent characters end its turns instead
-    stops = load_tokenizer(tiny_vision_path).convert_tokens_to_ids(list("aeiou0123456789"))
+    agent = {"environment": "tests.integration.agent_envs:ShowsAnImage", "max_turns": 3,
+             "max_trajectory_tokens": 80, "concurrency": 4}
+    # a random tiny model rarely writes <eos>: any printable character ends its turns instead
+    stops = load_tokenizer(tiny_vision_path).convert_tokens_to_ids(list(string.ascii_letters + string.digits))
     config = digits_config(tiny_vision_path, tmp_path, steps=2, eval_every=0, checkpoint_every=0,
-                           rollout={"agent": AGENT, "stop_token_ids": stops, "prompts_per_step": 2},
+                           rollout={"agent": agent, "stop_token_ids": stops, "prompts_per_step": 2,
+                                    "max_new_tokens": 8},
                            # a random model rarely answers right: every group trains, on its KL term at least
                            algorithm={"filter_zero_std_groups": False})
     steps = [r for r in read_metrics(run_colocate(config, echo=lambda _: None)) if "loss" in r]
     assert len(steps) == 2
     for record in steps:
         assert record["agent_turns_mean"] > 1.0 and 0.0 < record["agent_masked_token_fraction"] < 1.0
+        assert record["agent_media_observations_mean"] > 0.5  # most trajectories were shown the second image
         assert record["rollout_logprob_abs_diff"] < 1e-4
 
 

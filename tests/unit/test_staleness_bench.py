@@ -57,9 +57,11 @@ def test_a_gap_past_the_target_is_reported_as_not_met(tmp_path):
     assert "not met" in format_table(results)
 
 
-def test_cells_name_staleness_and_correction_and_take_every_seed():
+def test_cells_name_staleness_and_correction_and_take_every_seed_or_the_one_named():
     from rlx.bench.staleness import parse_cells
 
     assert parse_cells("4:decoupled") == [(4, "decoupled", 0), (4, "decoupled", 1), (4, "decoupled", 2)]
-    with pytest.raises(ValueError, match="'4:ppo' is not <max_staleness>:<correction>"):
-        parse_cells("4:ppo")
+    assert parse_cells("2:tis:1,0:none") == [(2, "tis", 1), (0, "none", 0), (0, "none", 1), (0, "none", 2)]
+    for bad in ("4:ppo", "4", "4:tis:x", "4:tis:0:1"):
+        with pytest.raises(ValueError, match=f"'{bad}' is not <max_staleness>:<correction>"):
+            parse_cells(bad)

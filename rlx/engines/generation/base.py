@@ -5,9 +5,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from rlx.media.inputs import RowMedia
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class SamplingParams:
 class GenerationRequest:
     request_id: int
     prompt_ids: list[int]
-    media: dict[str, torch.Tensor] | None = None  # the model's media inputs for this prompt (rlx.media)
+    media: RowMedia | None = None  # the model's media inputs for this prompt: one object or parts (rlx.media)
 
 
 @dataclass

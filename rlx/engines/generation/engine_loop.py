@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams
-from rlx.media.inputs import MediaInputs
+from rlx.media.inputs import RowMedia
 
 T = TypeVar("T")
 
@@ -48,7 +48,7 @@ class _Job:
     prompt_ids: list[int]
     params: SamplingParams
     future: Future
-    media: MediaInputs | None = None
+    media: RowMedia | None = None
 
 
 class EngineLoop:
@@ -70,7 +70,7 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               media: MediaInputs | None = None) -> Future[GenerationResult]:
+               media: RowMedia | None = None) -> Future[GenerationResult]:
         """Queue one request (`media`: the model inputs of the media its placeholders stand for);
         its future holds the result (or the engine's error) once it finishes. Cancelling the future
         before it starts decoding drops the request."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlx.media.inputs import MediaInputs
+from rlx.media.inputs import RowMedia
 from rlx.media.positions import linear_positions
 from rlx.models.moe import NOT_RECORDED, ROUTE_DTYPE
 
@@ -29,7 +29,7 @@ class TokenBatch:
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, R] fields (advantages, old logprobs...)
     per_sequence: dict[str, torch.Tensor] = field(default_factory=dict)  # [B] fields
     routes: torch.Tensor | None = None  # [B, P+R, L, K] recorded experts per input column (MoE, R3)
-    media: list[MediaInputs | None] | None = None  # per row: its prompt's media inputs (rlx.media.inputs)
+    media: list[RowMedia | None] | None = None  # per row: its media inputs, one object or parts (rlx.media.inputs)
 
     @property
     def size(self) -> int:
@@ -75,7 +75,7 @@ def collate(
     per_token: dict[str, list[list[float]]] | None = None,
     per_sequence: dict[str, list[float]] | None = None,
     routes: list[torch.Tensor] | None = None,
-    media: list[MediaInputs | None] | None = None,
+    media: list[RowMedia | None] | None = None,
 ) -> TokenBatch:
     """`routes`: each sequence's recorded experts `[n, L, K]` from its first token on (n may fall
     short of the sequence: the rest is routed by the model itself). `media`: each prompt's media
