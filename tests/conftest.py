@@ -1,12 +1,48 @@
-"""Shared fixtures: a tiny model built in code (no hub), written once per test session."""
+"""Shared fixtures: a tiny model built in code (no hub), written once per test session; and which
+tests run one at a time when the suite runs on several workers (`make test`: pytest-xdist)."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlx.models import load_pretrained
 from rlx.models.tiny import build_tiny
+
+# Test files that start a Ray cluster, servers, engines or processes of their own, or that look at
+# every process on the machine: with `-n 2 --dist loadgroup` they run on one worker, one at a time
+# (as the whole suite did before), while the other worker takes the in-process tests beside them.
+# Every file of tests/system is one of them.
+ONE_AT_A_TIME = {
+    "test_alerts.py", "test_bench_agentic.py", "test_cluster_security.py", "test_cuda.py",
+    "test_environment_isolation.py", "test_media_pool.py", "test_openai_server.py", "test_ray_bus.py",
+    "test_reward_isolation.py", "test_sandbox.py", "test_sglang_adapter.py", "test_sglang_client.py",
+    "test_sglang_routed_experts.py", "test_sharded_trainer.py", "test_timeline_run.py", "test_url_engines.py",
+    "test_vllm_engine.py", "test_vllm_routed_experts.py", "test_vllm_server_adapter.py", "test_weight_sync.py",
+}
+
+
+def _one_at_a_time(item: pytest.Item) -> bool:
+    path = Path(str(item.path))
+    return path.parent.name == "system" or path.name in ONE_AT_A_TIME
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Marked as each test is collected, before any collection hook (xdist's too) reads the marks."""
+    if _one_at_a_time(item):
+        item.add_marker(pytest.mark.xdist_group("one_at_a_time"))
+
+
+@pytest.fixture(autouse=True)
+def _in_process_tests_start_no_cluster(request):
+    """Keeps ONE_AT_A_TIME true: a test outside it that leaves a Ray cluster running fails."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and not _one_at_a_time(request.node) and ray.is_initialized():
+        pytest.fail(f"{request.node.path.name} started a Ray cluster: add it to ONE_AT_A_TIME in tests/conftest.py")
 
 
 @pytest.fixture(scope="session")
