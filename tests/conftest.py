@@ -12,16 +12,15 @@ import torch
 from rlx.models import load_pretrained
 from rlx.models.tiny import build_tiny
 
-# Test files that start a Ray cluster, servers, engines or processes of their own, or that look at
-# every process on the machine: with `-n 2 --dist loadgroup` they run on one worker, one at a time
-# (as the whole suite did before), while the other worker takes the in-process tests beside them.
+# Test files that start a Ray cluster, rank processes or a vLLM engine (each busies both cores and
+# some look at every process on the machine): with `-n 2 --dist loadgroup` they run on one worker,
+# one at a time, as the whole suite did before, while the other worker takes the rest beside them
+# (servers on loopback ports of their own, environment and sandbox processes marked per test).
 # Every file of tests/system is one of them.
 ONE_AT_A_TIME = {
-    "test_alerts.py", "test_bench_agentic.py", "test_cluster_security.py", "test_cuda.py",
-    "test_environment_isolation.py", "test_media_pool.py", "test_openai_server.py", "test_ray_bus.py",
-    "test_reward_isolation.py", "test_sandbox.py", "test_sglang_adapter.py", "test_sglang_client.py",
-    "test_sglang_routed_experts.py", "test_sharded_trainer.py", "test_timeline_run.py", "test_url_engines.py",
-    "test_vllm_engine.py", "test_vllm_routed_experts.py", "test_vllm_server_adapter.py", "test_weight_sync.py",
+    "test_bench_agentic.py", "test_cluster_security.py", "test_cuda.py", "test_ray_bus.py",
+    "test_sharded_trainer.py", "test_vllm_engine.py", "test_vllm_routed_experts.py",
+    "test_vllm_server_adapter.py", "test_weight_sync.py",
 }
 
 

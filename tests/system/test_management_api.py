@@ -1,13 +1,13 @@
-"""The management API over real HTTP on loopback: first the app alone in front of a small stand-in
-for the run (its guards: token, Host, body size, concurrency, strict bodies, scale refusals), then a
-live async run: auth, scaling, checkpoint, stop, and a schema-driven fuzz (schemathesis) that must
-never get a 5xx."""
+"""The management API over real HTTP on loopback: the app alone in front of a small stand-in for the
+run (its guards: token, Host, body size, concurrency, strict bodies, scale refusals) and a
+schema-driven fuzz (schemathesis) that must never get a 5xx. Against a live async run (auth,
+scaling, checkpoint, a fuzz without the token, stop) it is driven by `scale_and_guard`, which
+tests/system/test_url_engines.py runs before it adds a server by URL to the same run."""
 
 from __future__ import annotations
 
 import json
 import socket
-import stat
 import threading
 import time
 from pathlib import Path
@@ -18,7 +18,6 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from rlx.obs.metrics import read_metrics
 from rlx.orchestration.api import (
     MAX_BODY_BYTES,
     ApiServer,
@@ -27,8 +26,6 @@ from rlx.orchestration.api import (
     ScaleTimedOut,
     UnknownEngine,
 )
-from rlx.orchestration.async_run import run_async
-from tests.integration.test_colocate_loop import toy_config
 
 ROUTES = [("GET", "/v1/status"), ("GET", "/v1/rollout/engines"), ("POST", "/v1/rollout/scale"),
           ("POST", "/v1/rollout/engines"), ("DELETE", "/v1/rollout/engines/url-1"),
@@ -257,15 +254,13 @@ def fuzz_without_token(url: str, auth: dict[str, str]) -> None:
     no_server_errors()
 
 
-def drive(run_dir: Path, seen: dict) -> None:
-    url = wait_for(lambda: (run_dir / "api.json").exists() and json.loads((run_dir / "api.json").read_text())["url"])
-    token_file = run_dir / "api_token"
-    seen["token_mode"] = stat.S_IMODE(token_file.stat().st_mode)
-    auth = {"Authorization": f"Bearer {token_file.read_text()}"}
+def scale_and_guard(url: str, auth: dict[str, str], seen: dict) -> None:
+    """Against a live run: mutations without the token or with a bad body are refused, the rollout
+    scales out to 2 replicas and back to 1 while it trains, a checkpoint is written on request, and
+    a fuzz without the token gets nothing through. What it saw goes into `seen`
+    (tests/system/test_url_engines.py drives a run through this and then adds a server by URL)."""
     status = lambda: requests.get(f"{url}/v1/status", headers=auth, timeout=30).json()
     engines = lambda: requests.get(f"{url}/v1/rollout/engines", headers=auth, timeout=30).json()
-    wait_for(lambda: status()["step"] >= 2)
-
     seen["no_token"] = requests.post(f"{url}/v1/rollout/scale", json={"replicas": 2}, timeout=30).status_code
     seen["wrong_token"] = requests.post(f"{url}/v1/rollout/scale", json={"replicas": 2}, timeout=30,
                                         headers={"Authorization": "Bearer nope"}).status_code
@@ -281,30 +276,10 @@ def drive(run_dir: Path, seen: dict) -> None:
     wait_for(lambda: len(engines()) == 1)
     seen["checkpoint"] = requests.post(f"{url}/v1/checkpoint", headers=auth, timeout=600).json()["path"]
     fuzz_without_token(url, auth)
-    seen["stop"] = requests.post(f"{url}/v1/stop", headers=auth, timeout=30).status_code
 
 
-def test_api_scales_rollout_and_guards_every_mutation(tiny_path, tmp_path):
-    # far more steps than the test lasts: the run ends through /v1/stop (the budget is only a safety net)
-    config = toy_config(tiny_path, tmp_path, train__steps=100_000, train__mode="async", train__max_staleness=1,
-                        rollout__prompts_per_step=2, rollout__max_batch_size=16, train__time_budget_s=900)
-    run_dir = Path(config.logging.run_dir)
-    seen: dict = {}
-    errors: list[BaseException] = []
-
-    def driver():
-        try:
-            drive(run_dir, seen)
-        except BaseException as exc:  # noqa: BLE001 - surfaced below; the run still has to be stopped
-            errors.append(exc)
-            stop_run(run_dir)
-
-    thread = threading.Thread(target=driver, daemon=True)
-    thread.start()
-    run_async(config, echo=print)
-    thread.join(timeout=60)
-    assert not errors, errors
-    assert seen["token_mode"] == 0o600
+def check_scaled_and_guarded(seen: dict, steps: list[dict]) -> None:
+    """What `scale_and_guard` must have seen, and the run's steps around it."""
     assert seen["no_token"] == 401 and seen["wrong_token"] == 401 and seen["bad_body"] == 422
     assert seen["up"] == {"replicas_before": 1, "replicas": 2}
     assert len({e["replica"] for e in seen["engines_at_2"]}) == 2
@@ -312,9 +287,6 @@ def test_api_scales_rollout_and_guards_every_mutation(tiny_path, tmp_path):
     assert seen["replica_before_up"] in {e["replica"] for e in seen["engines_at_2"]}
     assert seen["down"] == {"replicas_before": 2, "replicas": 1}
     assert Path(seen["checkpoint"], "model.safetensors").exists()
-    assert seen["stop"] == 200
-    steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
-    assert len(steps) >= 5
     assert steps[-1]["total_samples_duplicated"] == 0  # scale-in and scale-out lost and repeated nothing
     rate = lambda a, b: (b - a) * 16 / (steps[b - 1]["wall_time_s"] - steps[a - 1]["wall_time_s"])
     print(f"samples/s with 1 replica: {rate(1, seen['step_at_2']):.2f}; "

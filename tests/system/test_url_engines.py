@@ -2,8 +2,10 @@
 (tests/support/sglang_server.py, the `hf` engine behind SGLang's routes) runs as its own process on
 loopback, joins the run through POST /v1/rollout/engines, receives the current weights over the
 `sglang` adapter's update path before it serves, produces samples that the Actor trains, and when
-its process is killed it is dropped and its prompt groups are handed out again. There is no real
-SGLang server or GPU vLLM here."""
+its process is killed it is dropped and its prompt groups are handed out again. The same run is
+first driven through the rest of the management API (tests/system/test_management_api.py
+`scale_and_guard`): one async run for both, on 2 cores. There is no real SGLang server or GPU vLLM
+here."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import importlib.util
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -26,7 +29,7 @@ from rlx.orchestration.async_run import run_async
 from rlx.orchestration.services import HEARTBEAT_S
 from tests.integration.test_colocate_loop import toy_config
 from tests.support.vllm_server import VLLMServer, build_tiny_h32
-from tests.system.test_management_api import stop_run, wait_for
+from tests.system.test_management_api import check_scaled_and_guarded, scale_and_guard, stop_run, wait_for
 
 pytestmark = pytest.mark.slow  # a run, a second server process and its relay: about 2-3 minutes here
 
@@ -59,12 +62,14 @@ def freeze_with_groups_in_flight(server: subprocess.Popen, engine, tries: int = 
 
 def drive(run_dir: Path, server_url: str, server: subprocess.Popen, seen: dict) -> None:
     api = wait_for(lambda: (run_dir / "api.json").exists() and json.loads((run_dir / "api.json").read_text())["url"])
+    seen["token_mode"] = stat.S_IMODE((run_dir / "api_token").stat().st_mode)
     auth = {"Authorization": f"Bearer {(run_dir / 'api_token').read_text()}"}
     status = lambda: requests.get(f"{api}/v1/status", headers=auth, timeout=30).json()
     engines = lambda: requests.get(f"{api}/v1/rollout/engines", headers=auth, timeout=30).json()
     mine = lambda: next((e for e in engines() if e["id"] == "url-1"), None)
     post = lambda body: requests.post(f"{api}/v1/rollout/engines", json=body, headers=auth, timeout=60)
     wait_for(lambda: status()["step"] >= 2)
+    scale_and_guard(api, auth, seen)
 
     seen["actor_version_at_add"] = status()["roles"]["actor"][0]["version"]
     added = post({"url": server_url, "engine": "sglang"})
@@ -106,7 +111,8 @@ def drive(run_dir: Path, server_url: str, server: subprocess.Popen, seen: dict) 
     seen["stop"] = requests.post(f"{api}/v1/stop", headers=auth, timeout=30).status_code
 
 
-def test_a_server_added_by_url_serves_the_current_weights_and_its_death_requeues_its_groups(tiny_path, tmp_path):
+def test_a_live_run_scales_over_its_api_and_a_server_added_by_url_serves_then_dies_and_its_groups_requeue(
+        tiny_path, tmp_path):
     # The URL engine loads weights over HTTP, slower than the Serve replica: under load it trails the
     # Actor by a few versions, and a tight staleness bound (or a solved task, whose steps train nothing
     # and race ahead) would rightly give it no groups. This test is about its life cycle: a loose bound.
@@ -137,6 +143,9 @@ def test_a_server_added_by_url_serves_the_current_weights_and_its_death_requeues
     print(f"run with a URL engine: {time.monotonic() - started:.0f}s; states seen {sorted(set(seen['states']))}; "
           f"dropped {seen.get('dropped_after_s', float('nan')):.1f}s after its server was killed")
     assert not errors, errors
+    assert seen["token_mode"] == 0o600 and seen["stop"] == 200
+    steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
+    check_scaled_and_guarded(seen, steps)
 
     code, added = seen["added"]
     assert code == 202 and added == {"id": "url-1", "url": server_url, "engine": "sglang", "state": "pending"}
@@ -161,7 +170,6 @@ def test_a_server_added_by_url_serves_the_current_weights_and_its_death_requeues
     assert prompts["groups_requeued"] == requeued  # every group handed back was counted once
     # every group handed out was either new or handed out again from the queue: nothing lost
     assert prompts["groups_issued"] == prompts["position"] + prompts["groups_requeued"] - prompts["groups_waiting_retry"]
-    steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
     assert steps[-1]["total_samples_duplicated"] == 0
     for r in steps:  # every step trained (or filtered) exactly its rows, before, with and after the URL engine
         assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
@@ -216,6 +224,9 @@ def test_a_real_vllm_server_added_by_url_loads_the_current_weights_and_serves(tm
     finally:
         server.stop()
     assert not errors, errors
+    assert seen["token_mode"] == 0o600 and seen["stop"] == 200
+    steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
+    check_scaled_and_guarded(seen, steps)
 
     code, added = seen["added"]
     assert code == 202 and added == {"id": "url-1", "url": server.url, "engine": "vllm", "state": "pending"}
