@@ -14,9 +14,10 @@ from rlx.models.tiny import build_tiny
 
 # Test files that start a Ray cluster, rank processes or a vLLM engine (each busies both cores and
 # some look at every process on the machine): with `-n 2 --dist loadgroup` they run on one worker,
-# one at a time, as the whole suite did before, while the other worker takes the rest beside them
-# (servers on loopback ports of their own, environment and sandbox processes marked per test).
-# Every file of tests/system is one of them.
+# one at a time, as the whole suite did before. Every other file is a group of its own (its module
+# fixtures built once, its tests in file order), run beside them on either worker: servers on
+# loopback ports of their own, environment and sandbox processes marked per test. Every file of
+# tests/system is one of them.
 ONE_AT_A_TIME = {
     "test_bench_agentic.py", "test_cluster_security.py", "test_cuda.py", "test_ray_bus.py",
     "test_sharded_trainer.py", "test_vllm_engine.py", "test_vllm_routed_experts.py",
@@ -30,17 +31,20 @@ def _one_at_a_time(item: pytest.Item) -> bool:
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Marked as each test is collected, before any collection hook (xdist's too) reads the marks."""
-    if _one_at_a_time(item):
-        item.add_marker(pytest.mark.xdist_group("one_at_a_time"))
+    """Grouped as each test is collected, before any collection hook (xdist's too) reads the marks."""
+    group = "one_at_a_time" if _one_at_a_time(item) else Path(str(item.path)).stem
+    item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)
 def _in_process_tests_start_no_cluster(request):
-    """Keeps ONE_AT_A_TIME true: a test outside it that leaves a Ray cluster running fails."""
+    """Keeps ONE_AT_A_TIME true: a test outside it that leaves a Ray cluster running fails, and the
+    cluster is shut down so the tests after it do not fail for it. (A test that starts and stops
+    Ray within itself goes unseen: list its file when you write it.)"""
     yield
     ray = sys.modules.get("ray")
     if ray is not None and not _one_at_a_time(request.node) and ray.is_initialized():
+        ray.shutdown()
         pytest.fail(f"{request.node.path.name} started a Ray cluster: add it to ONE_AT_A_TIME in tests/conftest.py")
 
 

@@ -215,11 +215,16 @@ class AgentRollout(ConcurrentRollout):
         """An observation's ids with the placeholders of the media it shows expanded, and that
         media as model inputs; refused, naming the row and turn, if the two do not match."""
         where = f"{row.source or 'row'}: the environment's observation after turn {turn}"
-        placeholder_ids = set(self.processor.placeholder_ids.values()) if self.processor is not None else set()
+        # the model's media tokens are the processor's to write: a placeholder or marker the text holds
+        # by itself stands for an item that is not there, and would break the batch's forward
+        if self.processor is not None:
+            allowed = set(self.processor.placeholder_ids.values()) if media else set()
+            if stray := set(ids).intersection(self.processor.media_token_ids) - allowed:
+                raise DataError(f"{where} holds the model's media token(s) {sorted(stray)}"
+                                f"{'' if media else ' but shows no media'}: write one placeholder (<image>, "
+                                "<audio>, <video>) per item of EnvStep.media and keep the model's own media "
+                                "tokens out of the text")
         if not media:
-            if stray := placeholder_ids.intersection(ids):
-                raise DataError(f"{where} holds media placeholder token(s) {sorted(stray)} but shows no media: "
-                                "return the items in EnvStep.media, or keep placeholders out of the observation text")
             return ids, None
         if self.processor is None:
             raise DataError(f"{where} shows media, but the run has no media processor: set data.media_keys "
@@ -250,8 +255,14 @@ class AgentRollout(ConcurrentRollout):
             try:
                 opened.set_result(self.prepare(row, ids))
             except BaseException as error:  # noqa: BLE001 - raised below, in every trajectory of the group
+                with self._opened_lock:  # not kept: a later trajectory of the row tries again
+                    if self._opened.get(key, (None, None))[1] is opened:
+                        del self._opened[key]
                 opened.set_exception(error)
-        return opened.result()
+        try:
+            return opened.result()
+        except DataError as error:  # each trajectory raises its own (one shared object would collect
+            raise DataError(str(error)) from None  # every raiser's traceback)
 
 
 def _finish(trajectory: Trajectory, reason: str) -> Trajectory:

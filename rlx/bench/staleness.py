@@ -39,9 +39,10 @@ def parse_cells(text: str | None) -> list[Cell] | None:
     for item in text.split(","):
         parts = item.split(":")
         if (len(parts) not in (2, 3) or not parts[0].isdigit() or parts[1] not in CORRECTIONS
-                or not all(seed.isdigit() for seed in parts[2:])):
+                or not all(seed in map(str, SEEDS) for seed in parts[2:])):
             raise ValueError(f"--cells item {item!r} is not <max_staleness>:<correction>[:<seed>] with correction "
-                             f"one of {', '.join(CORRECTIONS)} (e.g. 4:decoupled or 4:tis:0)")
+                             f"one of {', '.join(CORRECTIONS)} and seed one of {', '.join(map(str, SEEDS))} "
+                             "(e.g. 4:decoupled or 4:tis:0)")
         seeds = [int(seed) for seed in parts[2:]] or SEEDS
         cells.extend((int(parts[0]), parts[1], seed) for seed in seeds)
     return cells

@@ -39,7 +39,8 @@ class MediaProcessorPool:
     def __init__(self, model_config: Any, data: DataConfig, workers: int) -> None:
         from rlx.media.processor import processor_for
 
-        self.placeholder_ids = processor_for(model_config, data).placeholder_ids  # checks the model takes media
+        local = processor_for(model_config, data)  # checks the model takes media
+        self.placeholder_ids, self.media_token_ids = local.placeholder_ids, local.media_token_ids
         self.limits = data.media_limits
         self._open = (model_config, data)
         self.workers = workers

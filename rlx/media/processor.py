@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from rlx.errors import DataError
-from rlx.media.inputs import CLIP_MEAN, CLIP_STD, MediaInputs, expand_placeholders
+from rlx.media.inputs import CLIP_MEAN, CLIP_STD, MediaInputs, expand_placeholders, media_token_ids
 from rlx.media.positions import OMNI_MODEL_TYPES
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ SECONDS_PER_GRID_INPUT = {"qwen2_5_vl": "second_per_grid_ts", "qwen2_5_omni_thin
 
 class MediaProcessor(Protocol):
     placeholder_ids: dict[str, int]  # modality -> the token one item stands as in the prompt
+    media_token_ids: tuple[int, ...]  # placeholders and markers: tokens only the processor may write
     limits: MediaLimits  # what media it reads: the same bounds for a row's and an environment's
 
     def __call__(self, prompt_ids: list[int], row: PromptRow) -> tuple[list[int], MediaInputs]:
@@ -264,6 +265,12 @@ def processor_for(config: Any, data: DataConfig) -> MediaProcessor:
     """The processor for a model's config (`transformers` config object), reading media within
     `data.media_limits` and sampling videos as `data.video` says; a clear error for a model rlx
     cannot feed media to."""
+    processor = _processor_for(config, data)
+    processor.media_token_ids = media_token_ids(config)
+    return processor
+
+
+def _processor_for(config: Any, data: DataConfig) -> MediaProcessor:
     if config.model_type == "llava":
         return LlavaImageProcessor(config, data.media_limits)
     if config.model_type in (*QWEN_VL_MODEL_TYPES, *OMNI_MODEL_TYPES):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,17 @@ BUILTIN_MODELS = {
 }
 
 
+@contextlib.contextmanager
+def _building(target: Path) -> Iterator[None]:
+    """An exclusive lock on `<target>.lock` for as long as the folder is being built."""
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def resolve_model_path(name_or_path: str, cache_dir: Path = CACHE_DIR) -> Path:
     """A built-in name becomes its cached folder (built on first use); anything else must be a folder."""
     builtin = BUILTIN_MODELS.get(name_or_path)
@@ -66,7 +78,9 @@ def resolve_model_path(name_or_path: str, cache_dir: Path = CACHE_DIR) -> Path:
         target = cache_dir / builtin.name
         if not (target / "config.json").exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            builtin.build(target)
+            with _building(target):  # roles (or runs) starting together build it once
+                if not (target / "config.json").exists():
+                    builtin.build(target)
         return target
     path = Path(name_or_path)
     if not (path / "config.json").exists():

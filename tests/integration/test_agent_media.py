@@ -107,7 +107,9 @@ def test_a_text_row_can_be_shown_an_image_later(tiny):
 @pytest.mark.parametrize(("options", "with_processor", "reason"), [
     ({"placeholders": 2, "items": 1}, True, r"observation after turn 1: 2 image placeholder token\(s\) .* but 1 image"),
     ({"placeholder": "<|image_pad|>", "items": 0}, True,
-     r"observation after turn 1 holds media placeholder token\(s\) \[126\] but shows no media"),
+     r"observation after turn 1 holds the model's media token\(s\) \[126\] but shows no media"),
+    ({"placeholder": "<|vision_start|><image>"}, True,  # a marker: the model would look for an item there
+     r"observation after turn 1 holds the model's media token\(s\) \[124\]: write one placeholder"),
     ({"kind": "images"}, True, r"EnvStep.media has \['images'\]; its keys are image, audio, video"),
     ({}, False, r"shows media, but the run has no media processor: set data.media_keys"),
 ])

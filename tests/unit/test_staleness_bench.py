@@ -62,6 +62,6 @@ def test_cells_name_staleness_and_correction_and_take_every_seed_or_the_one_name
 
     assert parse_cells("4:decoupled") == [(4, "decoupled", 0), (4, "decoupled", 1), (4, "decoupled", 2)]
     assert parse_cells("2:tis:1,0:none") == [(2, "tis", 1), (0, "none", 0), (0, "none", 1), (0, "none", 2)]
-    for bad in ("4:ppo", "4", "4:tis:x", "4:tis:0:1"):
+    for bad in ("4:ppo", "4", "4:tis:x", "4:tis:0:1", "4:tis:7"):
         with pytest.raises(ValueError, match=f"'{bad}' is not <max_staleness>:<correction>"):
             parse_cells(bad)
