@@ -224,9 +224,6 @@ def test_a_real_vllm_server_added_by_url_loads_the_current_weights_and_serves(tm
     finally:
         server.stop()
     assert not errors, errors
-    assert seen["token_mode"] == 0o600 and seen["stop"] == 200
-    steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
-    check_scaled_and_guarded(seen, steps)
 
     code, added = seen["added"]
     assert code == 202 and added == {"id": "url-1", "url": server.url, "engine": "vllm", "state": "pending"}
