@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rlx.media.inputs import with_shown
+
 CUT_REASONS = ("length", "max_turns", "max_tokens")  # finish reasons of a trajectory a limit ended
 
 
@@ -50,7 +52,7 @@ class Trajectory:
     def request_media(self) -> Any:
         """The media of the whole context, sent with every turn's request (each turn prefills it
         all): the opening's, then each observation's, as parts (`rlx.media.inputs.RowMedia`)."""
-        return (self.media, *self.observed_media) if self.observed_media else self.media
+        return with_shown(self.media, self.observed_media)
 
     def add_policy(self, ids: list[int], logprobs: list[float], version: int, last_version: int | None = None,
                    routes: torch.Tensor | None = None) -> None:

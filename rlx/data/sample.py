@@ -47,4 +47,6 @@ class Sample:
     def forward_media(self) -> Any:
         """The media a forward over the whole sample takes: the prompt's, then what its
         observations showed, as parts in placeholder order (`rlx.media.inputs.RowMedia`)."""
-        return (self.media_inputs, *self.observed_media) if self.observed_media else self.media_inputs
+        from rlx.media.inputs import with_shown  # torch: imported only where a forward is built
+
+        return with_shown(self.media_inputs, self.observed_media or ())

@@ -30,6 +30,11 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+def with_shown(opening: MediaInputs | None, shown: Sequence[MediaInputs]) -> RowMedia | None:
+    """A trajectory's media: its opening's object alone, or with what its observations showed as parts."""
+    return (opening, *shown) if shown else opening
+
+
 def media_parts(rows: Sequence[RowMedia | None]) -> list[MediaInputs]:
     """Every media object of the rows, in row order and, within a row, part by part."""
     return [part for row in rows if row for part in (row if isinstance(row, tuple) else (row,)) if part]
@@ -40,9 +45,9 @@ def concat_media(rows: Sequence[RowMedia | None], device: torch.device | str | N
     """One forward's media keyword arguments from its rows' (in row order); {} when none has media.
     Each input joins the rows that have it: a row's images and another's video both reach the model.
     `only`: just these inputs (e.g. the grids positions are computed from)."""
-    rows = media_parts(rows)
-    keys = dict.fromkeys(key for row in rows if row for key in row if only is None or key in only)
-    return {key: torch.cat([row[key] for row in rows if row and key in row]).to(device) for key in keys}
+    parts = media_parts(rows)
+    keys = dict.fromkeys(key for part in parts for key in part if only is None or key in only)
+    return {key: torch.cat([part[key] for part in parts if key in part]).to(device) for key in keys}
 
 
 def expand_placeholders(token_ids: Sequence[int], placeholder_id: int, counts: Sequence[int],
