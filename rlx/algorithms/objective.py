@@ -15,18 +15,18 @@ def truncated_importance_weight(logprobs: torch.Tensor, behavior_logprobs: torch
     return torch.exp(logprobs.detach() - behavior_logprobs).clamp(max=cap)
 
 
-def behavior_weight(logprobs: torch.Tensor, fields: dict[str, torch.Tensor], config: AlgorithmConfig
-                    ) -> torch.Tensor | None:
+def behavior_weight(fields: dict[str, torch.Tensor], config: AlgorithmConfig) -> torch.Tensor | None:
     """The per-token weight of the resolved off-policy correction, or None without one.
 
-    tis: min(pi / mu, cap), the current policy over the behaviour policy mu (the rollout's log-probs);
-    decoupled: min(pi_prox / mu, cap), the proximal policy (`old_logprobs`) over mu.
+    Both corrections weight by min(pi_old / mu, cap): the policy the PPO ratio is taken against
+    (`old_logprobs`) over the behaviour policy mu (the rollout's log-probs), as TIS, TRL and verl
+    do. Weighting by the current pi instead would count pi / pi_old twice once the ratio moves
+    (later updates of a step). tis and decoupled differ only in where `old_logprobs` come from:
+    the Actor itself (the current policy before the step's first update) or ActorFwd.
     """
-    correction = config.resolved_correction
-    if correction == "none":
+    if config.resolved_correction == "none":
         return None
-    target = logprobs if correction == "tis" else fields["old_logprobs"]
-    return truncated_importance_weight(target, fields["rollout_logprobs"], config.tis_cap)
+    return truncated_importance_weight(fields["old_logprobs"], fields["rollout_logprobs"], config.tis_cap)
 
 
 def policy_objective(
@@ -46,7 +46,7 @@ def policy_objective(
     """
     inputs = LossInputs(logprobs, fields["old_logprobs"], fields["advantages"], mask)
     per_token, clipped = policy_loss_of(config.loss)(inputs, config.loss)
-    weight = behavior_weight(logprobs, fields, config)
+    weight = behavior_weight(fields, config)
     if weight is not None:
         per_token = per_token * weight
     policy_loss = aggregate(per_token, mask, config.aggregation, global_tokens, global_sequences, config.loss_horizon)

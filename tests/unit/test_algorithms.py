@@ -348,6 +348,24 @@ def test_policy_objective_with_decoupled_weights_by_the_proximal_policy():
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.275, 0.0]]), atol=1e-6, rtol=0)
 
 
+def test_tis_after_the_first_update_weights_by_the_old_policy_not_the_current_one():
+    # A later update of a step: pi moved off pi_old. r = pi / pi_old = [1.1, 0.9], A = [1, -1],
+    # clip 0.2/0.28 leaves both inside the band: per token -r A = [-1.1, 0.9].
+    # pi_old / mu = [1.5, 3 (capped at 2)], so TIS weights [1.5, 2.0] (not pi / mu = [1.65, 2.0]).
+    # token-mean over 2: (-1.1 * 1.5 + 0.9 * 2) / 2 = 0.075; gradient -A r w / 2 = [-0.825, 0.9]
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    old = logp.detach() - torch.tensor([[math.log(1.1), math.log(0.9)]], dtype=torch.float64)
+    fields = {"old_logprobs": old, "advantages": torch.tensor([[1.0, -1.0]], dtype=torch.float64),
+              "rollout_logprobs": old - torch.tensor([[math.log(1.5), math.log(3.0)]], dtype=torch.float64)}
+    config = AlgorithmConfig(behavior_correction="tis", tis_cap=2.0)
+    loss, metrics = policy_objective(logp, torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2), fields,
+                                     config, 2, 1)
+    assert loss.item() == pytest.approx(0.075, abs=1e-12)
+    assert metrics["behavior_weight_mean"] == pytest.approx(1.75, abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.825, 0.9]], dtype=torch.float64), atol=1e-12, rtol=0)
+
+
 def test_no_correction_ignores_the_rollout_logprobs():
     # same case as the TIS test without a correction: -A token-mean = (-1 + 2 - 1) / 3 = 0
     logp, fields = _tis_case()
