@@ -384,7 +384,11 @@ class AlgorithmConfig(Section):
     kl_reference_refresh_every: int = Field(
         0, ge=0, description="0: the KL reference is the initial policy; N: it takes the policy's weights every N "
         "steps (a periodically reset reference, as in ProRL)")
-    kl_type: Literal["k1", "k2", "k3", "low_var"] = "k3"
+    kl_type: Literal["k1", "k2", "k3", "low_var", "k3_ratio"] = Field(
+        "k3", description="the per-token KL term (docs/algorithms.md says which gradient each gives): k3 and "
+        "low_var (k3 clamped to [0, 10]) pull along the forward KL(ref||pi), k2 and k3_ratio (k3 times the "
+        "differentiable ratio pi/pi_old, TRL's default) along the reverse KL(pi||ref), k1 adds no gradient in "
+        "expectation")
     entropy_coef: float = Field(0.0, ge=0.0)
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     loss_horizon: int = Field(1024, ge=1, description="constant divisor of seq-mean-token-sum (Dr.GRPO)")
@@ -394,7 +398,11 @@ class AlgorithmConfig(Section):
                                        "times prompts_per_step groups, trainable or not")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="GAE discount")
     lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda")
-    whiten_advantages: bool = Field(True, description="GAE: normalise token advantages over each batch")
+    whiten_advantages: bool = Field(True, description="GAE: normalise token advantages over the trained tokens "
+                                    "of each batch (observation tokens of agent samples excluded)")
+    whiten_variance: Literal["unbiased", "population"] = Field(
+        "unbiased", description="GAE whitening's variance: unbiased (Bessel's N-1 over the trained tokens, as verl) "
+        "or population (divided by N, rlx before 2026-12)")
     behavior_correction: Literal["auto", "none", "tis", "decoupled"] = Field(
         "auto", description="off-policy correction against the rollout log-probs: tis (truncated importance "
         "sampling), decoupled (PPO ratio against ActorFwd's proximal policy, weight proximal/behaviour), none, or "
@@ -808,11 +816,17 @@ def config_warnings(c: RunConfig) -> list[str]:
     if c.reward.name == "genrm" and c.rollout.engine != "hf" and "engine" not in judge.model_fields_set:
         warnings.append(f"the GenRM judge runs on its own engine, reward.judge.engine=hf, not the policy's "
                         f"rollout.engine={c.rollout.engine}: set reward.judge.engine (and engine_options) to change it")
+    if c.algorithm.kl_type == "k1" and c.algorithm.kl_coef > 0:
+        warnings.append(f"algorithm.kl_type=k1 with kl_coef={c.algorithm.kl_coef}: k1's gradient is zero in "
+                        "expectation, so the KL term adds only noise; use kl_type=k3 (forward KL), k2 or k3_ratio "
+                        "(reverse KL)")
     res = c.resources
     if (c.train.mode == "async" and c.algorithm.resolved_correction == "decoupled" and res.actor.num_gpus > 0
             and res.actor_fwd.num_gpus == 0):
         warnings.append("decoupled PPO runs an ActorFwd service with a copy of the policy, and "
                         "resources.actor_fwd.num_gpus=0 while the Actor has GPUs: give it resources.actor_fwd.num_gpus")
+    if c.train.mode == "async" and c.train.checkpoint_every == 0:
+        warnings.append(lost_actor_cost(c))
     return warnings
 
 

@@ -53,8 +53,8 @@ def policy_objective(
     loss = policy_loss
     metrics = {"policy_loss": policy_loss.item()}
     if config.kl_coef > 0:
-        kl = aggregate(kl_estimate(logprobs, fields["ref_logprobs"], config.kl_type), mask, config.aggregation,
-                       global_tokens, global_sequences, config.loss_horizon)
+        per_token_kl = kl_estimate(logprobs, fields["ref_logprobs"], config.kl_type, fields["old_logprobs"])
+        kl = aggregate(per_token_kl, mask, config.aggregation, global_tokens, global_sequences, config.loss_horizon)
         loss = loss + config.kl_coef * kl
         metrics["kl"] = kl.item()
     entropy_mean = aggregate(entropy, mask, config.aggregation, global_tokens, global_sequences, config.loss_horizon)

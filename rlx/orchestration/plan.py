@@ -70,7 +70,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("prompt_ids", ROLLOUT, TOKEN_CONSUMERS, "int64", ("P",)),
     FieldSpec("response_ids", ROLLOUT, ("reward", "advantages", *TOKEN_CONSUMERS), "int64", ("T",)),
     FieldSpec("rollout_logprobs", ROLLOUT, ("advantages", "train"), "float32", ("T",)),
-    FieldSpec("loss_mask", ROLLOUT, ("critic_train", "train"), "float32", ("T",)),
+    FieldSpec("loss_mask", ROLLOUT, ("advantages", "critic_train", "train"), "float32", ("T",)),  # GAE skips masked
     FieldSpec("agent_stats", ROLLOUT, ("train",), "json"),
     FieldSpec("episode", ROLLOUT, ("advantages",), "int64", present_when=_episodes_vary),
     FieldSpec("episode_rows", ROLLOUT, ("critic_train", "train"), "int64", present_when=_episodes_vary),

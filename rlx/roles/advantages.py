@@ -67,16 +67,7 @@ class Advantages:
         a = self.config
         rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)
         if a.advantage == "gae":
-            values, mask = pad([s.values for s in scored])
-            lengths = mask.sum(1).long()
-            token_rewards = torch.zeros_like(values)
-            token_rewards[torch.arange(len(scored)), (lengths - 1).clamp(min=0)] = rewards  # outcome reward
-            advantages, returns = gae(token_rewards, values, mask, a.gamma, a.lam)
-            if a.whiten_advantages:
-                advantages = masked_whiten(advantages, mask)
-            for sample, adv, ret in zip(scored, unpad(advantages, mask), unpad(returns, mask)):
-                sample.token_advantages, sample.returns = adv, ret
-                sample.advantage = sum(adv) / max(1, len(adv))
+            self._gae(scored, rewards)
             return
         if a.advantage == "none":
             advantages = torch.zeros_like(rewards)
@@ -87,6 +78,26 @@ class Advantages:
             advantages = per_episode[episode_of]
         for sample, advantage in zip(scored, advantages.tolist()):
             sample.advantage = advantage
+
+    def _gae(self, scored: list[Sample], rewards: torch.Tensor) -> None:
+        """Per-token GAE over the trained tokens only (`Sample.loss_mask`: an agent sample's tool and
+        observation tokens are skipped, as the Critic never trains on their values); the outcome
+        reward sits on the last trained token. Masked tokens get advantage and return 0."""
+        a = self.config
+        values, extent = pad([s.values for s in scored])
+        trained, _ = pad([s.loss_mask if s.loss_mask is not None else [1.0] * len(s.values) for s in scored])
+        trained = trained * extent
+        positions = torch.arange(values.shape[1]).expand_as(values)
+        last = torch.where(trained > 0, positions, torch.full_like(positions, -1)).max(1).values
+        token_rewards = torch.zeros_like(values)
+        rows = torch.nonzero(last >= 0).flatten()
+        token_rewards[rows, last[rows]] = rewards[rows]  # outcome reward; a sample with no trained token has none
+        advantages, returns = gae(token_rewards, values, trained, a.gamma, a.lam)
+        if a.whiten_advantages:
+            advantages = masked_whiten(advantages, trained, unbiased=a.whiten_variance == "unbiased")
+        for sample, adv, ret, m in zip(scored, unpad(advantages, extent), unpad(returns, extent), trained):
+            sample.token_advantages, sample.returns = adv, ret
+            sample.advantage = float(sum(adv)) / max(1.0, float(m.sum()))
 
     def _add_distillation(self, scored: list[Sample]) -> None:
         teacher, mask = pad([s.teacher_logprobs for s in scored])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rlx.models.tiny import char_tokenizer
 from rlx.obs.metrics import read_metrics
@@ -66,3 +67,37 @@ def test_an_agent_app_run_trains_on_every_call_its_episodes_made(tiny_path, tmp_
     # reached the trainer twice (a step counts an episode's samples in shares of one response)
     assert steps[-1]["total_samples_duplicated"] == 0
     assert sum(r["reward_failed"] for r in steps) > 0 and sum(r["trained_samples"] for r in steps) > 0
+
+
+def test_a_ppo_multi_turn_run_skips_observation_tokens_in_gae(tiny_path, tmp_path, monkeypatch):
+    """PPO (a critic, GAE with lambda < 1) on tool trajectories. Advantages.compute is wrapped to keep the
+    samples it scored (the real computation runs unchanged): observation tokens get advantage and
+    return 0, and the whitening is over trained tokens only (their advantages have mean 0 and Bessel std 1)."""
+    from rlx.roles.advantages import Advantages
+
+    scored_steps: list[list] = []
+    compute = Advantages.compute
+
+    def keep_scored(self, samples):
+        result = compute(self, samples)
+        scored_steps.append([s for s in samples if s.filter_reason != "reward_failed"])
+        return result
+
+    monkeypatch.setattr(Advantages, "compute", keep_scored)
+    config = _agent_config(tiny_path, tmp_path, algorithm__advantage="gae", algorithm__lam=0.9,
+                           algorithm__gamma=0.99, rollout__n=2, critic__lr=1e-3)
+    run_dir = run_colocate(config, echo=lambda _: None)
+    steps = [r for r in read_metrics(run_dir) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all("value_loss" in r for r in steps if r["trained_samples"])
+    holes = 0
+    for samples in scored_steps:
+        trained = []
+        for s in samples:
+            mask = s.loss_mask or [1.0] * len(s.response_ids)
+            runs = [m for i, m in enumerate(mask) if i == 0 or m != mask[i - 1]]
+            holes += "1.0,0.0,1.0" in ",".join(map(str, runs))
+            assert all(a == 0.0 and r == 0.0 for a, r, m in zip(s.token_advantages, s.returns, mask) if m == 0.0)
+            trained += [a for a, m in zip(s.token_advantages, mask) if m == 1.0]
+        values = torch.tensor(trained, dtype=torch.float64)
+        assert abs(values.mean().item()) < 1e-5 and values.std().item() == pytest.approx(1.0, abs=1e-4)
+    assert holes > 0, "some trajectory had an observation between two policy turns"

@@ -180,6 +180,30 @@ def test_gae_by_hand():
     assert adv[0, :3].tolist() == pytest.approx([-0.24375, -0.175, 0.3])
 
 
+def test_gae_skips_masked_tokens_and_carries_across_them():
+    from rlx.algorithms.values import gae
+
+    # trained tokens 0, 3 around an observation (1, 2) whose values 5, 6 and reward 9 must not enter.
+    # gamma = 0.5, lam = 0.5, reward 1 on token 3, V = [0.5, 5, 6, 0.7]:
+    #   A_3 = 1 - 0.7 = 0.3 ; A_0 = (0.5 * 0.7 - 0.5) + 0.25 * 0.3 = -0.075 (one discount step, not three)
+    rewards = torch.tensor([[0.0, 9.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 5.0, 6.0, 0.7]])
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    adv, ret = gae(rewards, values, mask, gamma=0.5, lam=0.5)
+    assert adv[0].tolist() == pytest.approx([-0.075, 0.0, 0.0, 0.3])
+    assert ret[0].tolist() == pytest.approx([0.425, 0.0, 0.0, 1.0])
+
+
+def test_masked_whiten_uses_bessel_over_the_mask_by_default():
+    from rlx.algorithms.values import masked_whiten
+
+    # over the masked-in [1, 3] (the 100 is out): mean 2, squares 2; Bessel var 2 / 1, population 2 / 2
+    x, mask = torch.tensor([1.0, 100.0, 3.0]), torch.tensor([1.0, 0.0, 1.0])
+    out = masked_whiten(x, mask, eps=0.0)
+    assert out.tolist() == pytest.approx([-1 / math.sqrt(2), 0.0, 1 / math.sqrt(2)])
+    assert masked_whiten(x, mask, eps=0.0, unbiased=False).tolist() == pytest.approx([-1.0, 0.0, 1.0])
+
+
 def test_clipped_value_loss_by_hand():
     from rlx.algorithms.values import clipped_value_loss
 
@@ -194,3 +218,12 @@ def test_reverse_kl_advantages():
     student, teacher = torch.tensor([[-1.0, -3.0]]), torch.tensor([[-2.0, -1.0]])
     assert reverse_kl_advantages(student, teacher).tolist() == [[-1.0, 2.0]]
     assert reverse_kl_advantages(student, teacher, torch.ones(1, 2), coef=0.5).tolist() == [[0.5, 2.0]]
+
+
+def test_k1_with_a_kl_coefficient_warns_that_its_gradient_is_zero():
+    from rlx.config import config_warnings
+
+    warned = config_warnings(build_config({"algorithm": {"kl_coef": 0.05, "kl_type": "k1"}}))
+    assert any("algorithm.kl_type=k1" in w and "zero in expectation" in w for w in warned), warned
+    assert not any("kl_type" in w for w in config_warnings(build_config({"algorithm": {"kl_coef": 0.05}})))
+    assert not any("kl_type" in w for w in config_warnings(build_config({"algorithm": {"kl_type": "k1"}})))

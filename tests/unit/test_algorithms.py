@@ -187,6 +187,37 @@ def test_k3_is_non_negative():
     assert (kl_estimate(logp, ref, "k2") >= 0).all()
 
 
+def _expected_kl_term_gradient(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """E_{y ~ pi}[grad of the term at y] w.r.t. the logits of a categorical pi, summed exactly over the
+    vocabulary, with the gradients of KL(pi || ref) and KL(ref || pi) for comparison (float64)."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, dtype=torch.float64, generator=gen).requires_grad_()
+    ref = torch.log_softmax(torch.randn(7, dtype=torch.float64, generator=gen), -1)
+    logp = torch.log_softmax(logits, -1)
+    term = kl_estimate(logp, ref, kind)  # every token y, as if sampled
+    expected = (logp.exp().detach() * term).sum()  # the sampling distribution is not differentiated
+    (grad,) = torch.autograd.grad(expected, logits, retain_graph=True)
+    reverse = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), logits, retain_graph=True)[0]
+    forward = torch.autograd.grad((ref.exp() * (ref - logp)).sum(), logits)[0]
+    return grad, reverse, forward
+
+
+@pytest.mark.parametrize(("kind", "target"), [("k1", "zero"), ("k2", "reverse"), ("k3", "forward"),
+                                              ("low_var", "forward"), ("k3_ratio", "reverse")])
+def test_each_kl_term_has_the_expected_gradient_the_docs_name(kind, target):
+    grad, reverse, forward = _expected_kl_term_gradient(kind)
+    want = {"zero": torch.zeros_like(grad), "reverse": reverse, "forward": forward}[target]
+    torch.testing.assert_close(grad, want, atol=1e-12, rtol=0)
+    assert not torch.allclose(reverse, forward, atol=1e-3)  # the two targets are distinguishable here
+
+
+def test_k3_ratio_weights_k3_by_the_ratio_to_the_old_policy():
+    logp, ref, old = torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5])
+    torch.testing.assert_close(kl_estimate(logp, ref, "k3_ratio", old),
+                               kl_estimate(logp, ref, "k3") * math.exp(0.5))
+    torch.testing.assert_close(kl_estimate(logp, ref, "k3_ratio"), kl_estimate(logp, ref, "k3"))  # on-policy
+
+
 def test_kl_unknown_kind_raises():
     with pytest.raises(ValueError, match="k4"):
         kl_estimate(torch.zeros(1), torch.zeros(1), "k4")

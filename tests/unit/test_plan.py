@@ -13,7 +13,7 @@ TOKENS = {"group_id", "prompt_ids", "response_ids"}
 TRAIN_BASE = {"group_id", "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "agent_stats", "behavior_version",
               "last_behavior_version", "finish_reason", "reward", "reward_error", "advantage", "token_advantages",
               "filter_reason"}
-ADVANTAGES_BASE = {"group_id", "response_ids", "rollout_logprobs", "reward", "reward_error"}
+ADVANTAGES_BASE = {"group_id", "response_ids", "rollout_logprobs", "loss_mask", "reward", "reward_error"}
 ADVANTAGES_WRITES = {"advantage", "token_advantages", "returns", "filter_reason"}
 
 
