@@ -31,7 +31,7 @@ def _train(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     """Print the validated config (stdout, YAML), then on stderr what `auto` settings resolved to and
     the warnings about allowed but doubtful choices."""
-    from rlx.config import auto_correction, config_warnings, resolve_routing_replay
+    from rlx.config import auto_correction, config_warnings, lost_actor_cost, resolve_routing_replay
 
     config = load_config(args.config, args.overrides)
     print(config.to_yaml(), end="")
@@ -40,6 +40,8 @@ def _doctor(args: argparse.Namespace) -> int:
           file=sys.stderr)
     replay, why = resolve_routing_replay(config)
     print(f"# algorithm.routing_replay={config.algorithm.routing_replay} -> {replay} ({why})", file=sys.stderr)
+    if config.train.mode == "async" and config.train.checkpoint_every:  # without checkpoints: a warning below
+        print(f"# recovery: {lost_actor_cost(config)}", file=sys.stderr)
     for warning in config_warnings(config):
         print(f"# warning: {warning}", file=sys.stderr)
     print("# config OK", file=sys.stderr)

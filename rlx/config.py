@@ -548,14 +548,16 @@ class ResourcesConfig(Section):
 
 
 class FaultConfig(Section):
-    """Fault injection for tests and drills: kill or hang one role's replica after a given step."""
+    """Fault injection for tests and drills: kill, hang or make raise one role's replica, or kill a
+    shared actor of the run, after a given step."""
 
     role: str = Field(description="a role of this run: rollout, reward, advantages, reference, ...; "
-                      "or dcs, the weight coordinator")
+                      "dcs, the weight coordinator; or bus, prompts, heartbeats (the run's shared actors)")
     at_step: int = Field(ge=1, description="the actor fires it right after its own step `at_step`; other "
                          "roles get it once the driver has seen that step")
-    kind: Literal["kill", "hang"] = Field("kill", description="kill: the process exits; hang: its worker "
-                                          "loop blocks forever without a heartbeat")
+    kind: Literal["kill", "hang", "raise"] = Field(
+        "kill", description="kill: the process exits; hang: its worker loop blocks forever without a heartbeat; "
+        "raise: its worker loop raises an out-of-memory RuntimeError (roles only)")
 
 
 def _needs_package(enabled: bool, module: str, field: str) -> bool:
@@ -800,6 +802,19 @@ def resolve_routing_replay(c: RunConfig) -> tuple[Literal["off", "r3"], str]:
         return "off", f"{engine_named(c.rollout)} does not report the experts it routed to"
     return "r3", (f"model.path={c.model.path!r} is a mixture-of-experts model and "
                   f"rollout.engine={c.rollout.engine} reports its routes")
+
+
+def lost_actor_cost(c: RunConfig) -> str:
+    """What losing the Actor costs (async mode's global recovery, or a crash then `--resume`): the
+    steps since its newest checkpoint. `rlx doctor` and an async run's start say it."""
+    every, rows = c.train.checkpoint_every, c.rollout.prompts_per_step * c.rollout.n
+    if every == 0:
+        return ("train.checkpoint_every=0: no checkpoint before the last step, so a lost Actor restarts from the "
+                "initial weights and rolls back every step done so far (their samples are counted in "
+                "samples_rolled_back, never trained again), and a crashed run resumes from step 0; set "
+                "train.checkpoint_every to bound the loss")
+    return (f"train.checkpoint_every={every}: a lost Actor or a crashed run redoes at most {every - 1} steps "
+            f"(up to {(every - 1) * rows} samples rolled back)")
 
 
 def config_warnings(c: RunConfig) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from rlx.config import RunConfig
+from rlx.config import RunConfig, lost_actor_cost
 from rlx.data import PromptRow
 from rlx.engines.generation.base import SamplingParams
 from rlx.obs import Alerts, MetricsWriter, plot_run
@@ -37,7 +37,7 @@ from rlx.orchestration.builder import (
 from rlx.orchestration.controller import DRAIN_S, Controller
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.faults import DriverFaults
-from rlx.orchestration.health import HealthManager
+from rlx.orchestration.health import HealthManager, RoleFailed
 from rlx.orchestration.plan import build_plan
 from rlx.orchestration.reports import Cursor
 from rlx.orchestration.run_dir import latest_checkpoint, prepare_run_dir
@@ -46,6 +46,8 @@ from rlx.roles import GenRM, Reward
 from rlx.weights.sync import CoordinatorUnavailable, WeightReader, WeightSync
 
 POLL_S = 2.0  # status round trips cost CPU the roles need
+SHARED_HOLDS = {"bus": "every row not trained yet", "prompts": "the data order and the groups in flight",
+                "heartbeats": "every replica's heartbeat"}
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,14 @@ class AsyncRun:
         return self.url_engines.remove(engine_id)
 
     def scale(self, replicas: int, reason: str = "requested through the API") -> dict[str, Any]:
+        """Refused once a stop was requested: the roles are shutting down (the driver holds `scaling`
+        from then on, so none starts late either)."""
+        stopping = ScaleRefused("the run is stopping (a stop was requested or its last step is done): no scale now")
         if not self.scaling.acquire(blocking=False):
-            raise ScaleInProgress("a scale operation is already running")
+            raise stopping if self.stop_requested.is_set() else ScaleInProgress("a scale operation is already running")
+        if self.stop_requested.is_set():
+            self.scaling.release()
+            raise stopping
         try:
             self.echo(f"scaling rollout to {replicas} replicas ({reason})")
             started = time.monotonic()
@@ -191,6 +199,21 @@ class AsyncRun:
         self.echo(message)
         self.alerts.notify("recovery", message)
 
+    def _check_shared(self, wait_s: float = 1.0) -> None:
+        """A dead shared actor (the bus, the prompt source, the heartbeat board) stops the run with a
+        message saying how to continue: Ray does not restart them, and what they held (rows, the data
+        order) lives only in their memory and in the newest checkpoint."""
+        lost = self.controller.lost_shared(wait_s)
+        if not lost:
+            return
+        held = "; ".join(f"the {name} actor held {SHARED_HOLDS[name]}" for name in lost)
+        checkpoint = latest_checkpoint(self.run_dir)
+        then = (f"from its newest checkpoint ({checkpoint.name}) with the bus and the prompt source as they were "
+                "then: nothing is lost or trained twice, the steps after it are redone" if checkpoint is not None
+                else "from the start (no checkpoint yet)")
+        raise RoleFailed(f"the run's {' and '.join(lost)} actor died after step {self.step} ({held}); the run stops "
+                         f"here: `rlx train <config> --resume` continues {then}")
+
     # -- autoscaling -----------------------------------------------------------------------------
     def _autoscale(self) -> None:
         """Read the bus's back-pressure; start a scale operation in the background when due, so the
@@ -252,12 +275,19 @@ class AsyncRun:
             self.autoscaler = Autoscaler(r.autoscale, (t.max_staleness + 1) * r.prompts_per_step * r.n,
                                          time.monotonic())
         self.echo(f"management API on {api.url} (token in {self.run_dir / 'api_token'})")
+        self.echo(f"recovery: {lost_actor_cost(cfg)}")
         critic_steps: list[dict[str, float]] = []
         self.faults.arm_actor(c.call_service)
         try:
             while self.step < t.steps and not self.stop_requested.is_set():
                 time.sleep(POLL_S)
-                for r in self.health.observe():
+                self._check_shared()
+                try:
+                    recoveries = self.health.observe()
+                except ray.exceptions.RayActorError:  # a shared actor died since the check: name it
+                    self._check_shared(wait_s=10)
+                    raise
+                for r in recoveries:
                     restart = "restarts from the last checkpoint" if r.scope == "global" else "is replaced"
                     message = (f"recovered {r.role}: replica {r.replica} is gone and {restart}; {r.rows_released} "
                                f"rows back on the bus, {r.groups_requeued} prompt groups handed out again")
@@ -279,11 +309,13 @@ class AsyncRun:
                         metrics.update(evaluator())
                     writer.write(self.step, metrics)
                 self.faults.fire_due(self.step, c.call_service, c.weights.inject_fault, self.health.fault_injected,
-                                     self.echo)
+                                     self.echo, c.kill_shared)
                 if t.time_budget_s is not None and time.perf_counter() - started > t.time_budget_s:
                     self.echo(f"time budget of {t.time_budget_s:.0f}s reached after {self.step} steps")
                     break
-            if self.autoscaling is not None:  # a scale operation in flight finishes before the roles stop
+            self.stop_requested.set()  # from here a scale request is refused (409)
+            self.scaling.acquire()  # a scale operation in flight (the API's or the autoscaler's) finishes first
+            if self.autoscaling is not None:
                 self.autoscaling.join()
             self._stop_url_engines()
             for role in ("rollout", "actor"):  # the actor may be mid-step, waiting for rows that will not come

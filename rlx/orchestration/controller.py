@@ -176,6 +176,28 @@ class Controller:
         self.rollout_replicas = replicas
         return {"replicas_before": before, "replicas": replicas}
 
+    def shared_actors(self) -> dict[str, ray.actor.ActorHandle]:
+        """The run's shared Ray actors, none restarted by Ray: the bus (the rows live in its memory),
+        the prompt source (the data order and who holds which group) and the heartbeat board."""
+        return {"bus": self.bus.actor, "prompts": self.prompts.actor, "heartbeats": self.heartbeats.actor}
+
+    def kill_shared(self, name: str) -> None:
+        """Fault injection (`faults`, roles bus, prompts, heartbeats): kill one shared actor."""
+        ray.kill(self.shared_actors()[name], no_restart=True)
+
+    def lost_shared(self, wait_s: float = 1.0) -> list[str]:
+        """The shared actors that are dead now; one still busy after `wait_s` counts as alive."""
+        probes = {name: actor.__ray_ready__.remote() for name, actor in self.shared_actors().items()}
+        ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=wait_s)
+        lost = []
+        for name, probe in probes.items():
+            try:
+                if probe in ready:
+                    ray.get(probe)
+            except ray.exceptions.RayActorError:
+                lost.append(name)
+        return lost
+
     def call_service(self, role: str, method: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
         """A method of a role's service (`RoleService`); a service that does not answer in time is named in the error."""
         response = getattr(self.handles[role], method).remote(*args)

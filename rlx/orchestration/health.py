@@ -12,11 +12,17 @@ A stateless role with several replicas (`resources.<role>.replicas`) serves on t
 each recovery records whether it did (`others_serving`, `role_down_s`).
 Stateful roles (Actor, Critic) hold optimizer state: a replacement restarts from the role's newest
 checkpoint (a global recovery), or, for roles not in `global_recovery`, losing one stops the run
-with a message that says how to continue (`rlx train --resume`).
+with a message that says how to continue (`rlx train --resume`). A worker loop that raised (an
+out-of-memory error) counts as a death like a lost process: its replica is killed and replaced.
+
+The management API reads `live`, `known` and `recoveries` from its own thread while the driver's
+loop observes: they are replaced whole, never changed in place, so a reader holds a consistent
+snapshot (the earlier in-place updates gave it "dictionary changed size during iteration").
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -61,50 +67,64 @@ class HealthManager:
         self.global_recovery = global_recovery
         self.dead_after_s = dead_after_s
         self.max_restarts_per_role, self.max_restarts = max_restarts_per_role, max_restarts
+        # Read from the API's thread: each is replaced whole under `_writing`, never changed in place.
         # replica -> (role, monotonic time of its first beat, the weight version it first reported)
         self.known: dict[str, tuple[str, float, int | None]] = {}
-        self.restarts: Counter = Counter()
         self.recoveries: list[Recovery] = []
-        self.faults_at: dict[str, float] = {}  # role -> when a fault was injected into it
         self.live: dict[str, dict[str, Any]] = {}  # replica -> its latest beat
+        self._writing = threading.Lock()  # the driver's loop, and an engine removed through the API
+        self.restarts: Counter = Counter()
+        self.faults_at: dict[str, float] = {}  # role -> when a fault was injected into it
         self.retired: set[str] = set()  # rollout engines added by URL and dropped: their beats are no deaths
+        self.gone: set[str] = set()  # replicas recovered already: a beat still in flight from one is no new death
 
     def fault_injected(self, role: str) -> None:
         self.faults_at[role] = time.monotonic()
 
     def observe(self) -> list[Recovery]:
-        """Read every replica's heartbeat; recover the work of the ones that went silent."""
-        dead = []
-        self.live = {}
+        """Read every replica's heartbeat; recover the work of the ones that went silent or failed."""
+        with self._writing:
+            return self._observe()
+
+    def _observe(self) -> list[Recovery]:
+        dead, live, new = [], {}, {}
         for replica, beat in self.heartbeats.snapshot().items():
             role, status = beat["role"], beat["status"]
-            if status.get("engine_id") in self.retired:  # a beat sent just before its replica was killed
+            # a beat sent just before its replica was killed, or after it was recovered
+            if status.get("engine_id") in self.retired or replica in self.gone:
                 self.heartbeats.forget(replica)
                 continue
             if replica not in self.known:
-                self.known[replica] = (role, time.monotonic() - beat["age_s"], status.get("weight_version"))
-            if status.get("error") and role in self.stateful:
-                raise RoleFailed(f"role {role!r} failed: {status['error']}")
+                new[replica] = (role, time.monotonic() - beat["age_s"], status.get("weight_version"))
             if status.get("stopped") and not status.get("failure"):  # scaled in or shut down: it said goodbye
                 self._return_work(role, replica)
                 self.heartbeats.forget(replica)
-            elif status.get("stopped") or beat["silent_s"] > self.dead_after_s:  # failed, or silent: dead
-                dead.append((role, replica, status, time.monotonic() - beat["silent_s"]))
+            elif status.get("stopped") or status.get("error") or beat["silent_s"] > self.dead_after_s:
+                dead.append((role, replica, status, time.monotonic() - beat["silent_s"]))  # failed, or silent
             else:
-                self.live[replica] = beat
+                live[replica] = beat
+        self.known, self.live = {**self.known, **new}, live
         return [self._recover(*death) for death in dead]  # once every live replica is known
 
+    def _cause(self, status: dict[str, Any]) -> str:
+        """Why a replica counts as dead, for the messages."""
+        if status.get("failure") or status.get("error"):
+            return f"its worker failed: {status.get('failure') or status['error']}"
+        return f"silent for more than {self.dead_after_s:.0f}s"
+
     def _recover(self, role: str, replica: str, status: dict[str, Any], last_beat: float) -> Recovery:
+        cause = self._cause(status)
         if role in self.stateful and role not in self.global_recovery:
-            raise RoleFailed(f"role {role!r} lost its replica {replica} (silent for more than {self.dead_after_s:.0f}s);"
-                             " it holds the optimizer state, so the run stops here: continue with "
-                             "`rlx train <config> --resume`")
+            raise RoleFailed(f"role {role!r} lost its replica {replica} ({cause}); it holds the optimizer state, so "
+                             "the run stops here: continue with `rlx train <config> --resume`")
         # a relay of an engine added by URL dies with its server: dropped by UrlEngines, no restart to count
         self.restarts[role] += status.get("engine_id") is None
         if self.restarts[role] > self.max_restarts_per_role or sum(self.restarts.values()) > self.max_restarts:
             raise RoleFailed(f"role {role!r} was replaced {self.restarts[role]} times (all roles: "
                              f"{sum(self.restarts.values())}); limits are train.max_restarts_per_role="
-                             f"{self.max_restarts_per_role} and train.max_restarts={self.max_restarts}")
+                             f"{self.max_restarts_per_role} and train.max_restarts={self.max_restarts}; "
+                             f"the last replica lost: {cause}")
+        self.gone.add(replica)
         kill_quietly(status.get("actor_name"))  # a silent replica may only be slow: make sure it is gone
         self.heartbeats.forget(replica)
         weights_now = None
@@ -119,26 +139,27 @@ class HealthManager:
                             None if injected is None else time.monotonic() - injected, died_at=died_at,
                             scope="global" if role in self.stateful else "in place", weights_at_death=weights_now,
                             others_serving=others)
-        self.recoveries.append(recovery)
+        self.recoveries = [*self.recoveries, recovery]
         return recovery
 
     def retire_engine(self, engine_id: str) -> tuple[int, int]:
         """A rollout engine added by URL whose server stopped answering: make sure its replicas are
         gone and hand back what they held, as for a death, but it is no restart and nothing replaces
         it. Returns (rows released, groups requeued)."""
-        self.retired.add(engine_id)
-        released = requeued = 0
-        for replica, beat in self.heartbeats.snapshot().items():
-            if beat["status"].get("engine_id") != engine_id:
-                continue
-            kill_quietly(beat["status"].get("actor_name"))
-            self.heartbeats.forget(replica)
-            self.live.pop(replica, None)
-            if self.weights is not None:
-                self.weights.forget(replica)
-            rows, groups = self._return_work(beat["role"], replica)
-            released, requeued = released + rows, requeued + groups
-        return released, requeued
+        with self._writing:
+            self.retired.add(engine_id)
+            released = requeued = 0
+            for replica, beat in self.heartbeats.snapshot().items():
+                if beat["status"].get("engine_id") != engine_id:
+                    continue
+                kill_quietly(beat["status"].get("actor_name"))
+                self.heartbeats.forget(replica)
+                self.live = {other: b for other, b in self.live.items() if other != replica}
+                if self.weights is not None:
+                    self.weights.forget(replica)
+                rows, groups = self._return_work(beat["role"], replica)
+                released, requeued = released + rows, requeued + groups
+            return released, requeued
 
     def _replacement(self, recovery: Recovery) -> tuple[float, int | None] | None:
         """(seconds from the death to the first beat, first weight version) of the next replica of

@@ -74,6 +74,7 @@ class Worker(abc.ABC):
         self.error: str | None = None
         self.last_beat = time.monotonic()
         self.hung = False  # fault injection: the loop blocks without a heartbeat
+        self.injected_error: Exception | None = None  # fault injection: the loop raises this next
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_stop: list[Callable[[], None]] = []  # resources to release with the worker (a weight subscription)
@@ -150,6 +151,8 @@ class Worker(abc.ABC):
                 while self.beat():
                     while self.hung and not self._stop.is_set():
                         time.sleep(0.2)
+                    if self.injected_error is not None:
+                        raise self.injected_error
                     self.work_once()
             except Exception as exc:  # noqa: BLE001 - surfaced through status() and the service health check
                 self.error = f"{type(exc).__name__}: {exc}"
@@ -160,6 +163,11 @@ class Worker(abc.ABC):
     def hang(self) -> None:
         """Fault injection: stop working and stop beating, as a deadlocked call would."""
         self.hung = True
+
+    def fail(self, error: Exception) -> None:
+        """Fault injection: the loop raises `error` before its next unit of work, as an
+        out-of-memory error in the role would."""
+        self.injected_error = error
 
     def stop(self) -> None:
         self._stop.set()

@@ -345,9 +345,14 @@ def test_precision_keys_and_warnings():
     (["rollout.dtype=bfloat16"],
      ["# algorithm.behavior_correction=auto -> tis",
       "(rollout.dtype=bfloat16 differs from the trainer's train.param_dtype=float32)"]),
-    (["train.mode=async", "train.max_staleness=1"],
+    (["train.mode=async", "train.max_staleness=1", "train.checkpoint_every=10"],
      ["# algorithm.behavior_correction=auto -> decoupled",
-      "(train.max_staleness=1: samples may come from older weights)"]),
+      "(train.max_staleness=1: samples may come from older weights)",
+      "# recovery: train.checkpoint_every=10: a lost Actor or a crashed run redoes at most 9 steps"]),
+    # an async run that never checkpoints before its end: a lost Actor costs every step so far
+    (["train.mode=async"],
+     [("# warning: train.checkpoint_every=0: no checkpoint before the last step, so a lost Actor restarts from "
+       "the initial weights")]),
 ])
 def test_doctor_prints_the_resolved_correction_and_warnings(overrides, lines, capsys):
     from rlx.cli import main

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -24,12 +25,12 @@ from rlx.orchestration.staleness import StalenessGate
 N = 2  # responses per prompt
 
 
-def setup():
+def setup(global_recovery: frozenset[str] = frozenset()):
     bus, beats = LocalBus(), Heartbeats()
     prompts = PromptSource(PromptStream([PromptRow(f"q{i}", "a") for i in range(10)], seed=0), StalenessGate(0, 2))
     plan = build_plan(RunConfig(algorithm={"kl_coef": 0.1}))  # a Reference too: a role with replicas
     health = HealthManager(plan, bus, prompts, beats, group_size=N, dead_after_s=5, max_restarts_per_role=1,
-                           max_restarts=5)
+                           max_restarts=5, global_recovery=global_recovery)
     return bus, beats, prompts, health
 
 
@@ -108,6 +109,63 @@ def test_stateful_roles_and_restart_limits_stop_the_run_with_a_reason():
     go_silent(beats, "actor-a")
     with pytest.raises(RoleFailed, match="--resume"):
         health.observe()
+
+
+def test_a_trainer_that_raised_recovers_globally_until_its_limit_then_the_run_stops_naming_it():
+    """An exception in the Actor's loop (an out-of-memory error: its heartbeat carries it) is a
+    death like a lost process: a global recovery, counted against train.max_restarts_per_role (1
+    here). A beat still in flight from the failed replica is no second death. Past the limit the
+    run stops, naming the role and the error."""
+    bus, beats, _, health = setup(global_recovery=frozenset({"actor", "critic"}))
+    oom = "RuntimeError: CUDA out of memory. Tried to allocate 20.00 GiB"
+    put_group(bus, 0, 1)
+    [taken], _ = bus.for_consumer("actor-a").get("train", ["x"], 1, timeout=0)  # held mid-step
+    beats.beat("actor", "actor-a", {"busy_fraction": 1.0, "error": oom})
+    [recovery] = health.observe()
+    assert (recovery.role, recovery.scope, recovery.rows_released) == ("actor", "global", 1)
+    assert bus.get("train", ["x"], 1, timeout=0)[0] == [taken]  # the row it held goes back
+    beats.beat("actor", "actor-a", {"busy_fraction": 1.0, "error": oom})  # sent before it was killed
+    beats.beat("actor", "actor-b", {"busy_fraction": 1.0})  # the replacement, from the checkpoint
+    assert health.observe() == [] and list(health.live) == ["actor-b"]
+    beats.beat("actor", "actor-b", {"busy_fraction": 1.0, "error": oom})
+    with pytest.raises(RoleFailed, match=r"role 'actor' was replaced 2 times .*max_restarts_per_role=1.*"
+                                         r"its worker failed: RuntimeError: CUDA out of memory"):
+        health.observe()
+
+
+def test_the_api_thread_reads_replicas_while_the_driver_observes():
+    """L5: the management API's thread reads `live`, `known` and the recoveries (`status`,
+    `engines`) while the driver's loop observes beats. The reader must never see a dict change
+    under it (before, `observe` refilled `live` in place: "dictionary changed size during iteration")."""
+    _, beats, _, health = setup()
+    for i in range(2000):
+        beats.beat("reference", f"ref-{i}", {"busy_fraction": 0.5})
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def api_reads() -> None:
+        while not done.is_set():
+            try:
+                [beat["status"] for beat in health.live.values()]  # AsyncRun.status
+                health.replicas("reference"), health.busy(), health.report()
+            except BaseException as error:  # noqa: BLE001 - the test reports whatever the reader hit
+                errors.append(error)
+                return
+
+    reader = threading.Thread(target=api_reads)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the race shows at once
+    try:
+        reader.start()
+        for round_ in range(30):
+            beats.beat("reward", f"reward-{round_}", {"busy_fraction": 0.5})  # `known` grows too
+            health.observe()
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert len(health.live) == 2030
 
 
 def test_a_replica_that_said_goodbye_is_not_a_failure():
