@@ -4,12 +4,19 @@ says otherwise.
 
 Ray takes its token from, in order: `$RAY_AUTH_TOKEN`, the file at `$RAY_AUTH_TOKEN_PATH`,
 `~/.ray/auth_token`. For a local cluster rlx writes that file (mode 0600) when there is none.
+
+Ray releases before 2.60 run every Serve replica's gRPC server on `[::]` without checking the token
+(ray-project/ray#65189: unauthenticated pickle), so rlx refuses them unless the config opts out. A
+local cluster keeps its session files (sockets, logs, spilled objects) under a directory of this
+user's alone (`ray_temp_dir`), not Ray's world-writable default.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import stat
 import subprocess
 import sys
 import tempfile
@@ -26,6 +33,7 @@ AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "R
 TOKEN_SOURCES = f"${TOKEN_ENV}, the file at ${TOKEN_PATH_ENV}, or ~/.ray/auth_token"
 PROBE_TIMEOUT_S = 90.0
 AUTH_REFUSED = 3  # the probe's exit status when the cluster refuses a client without a token
+MIN_RAY = (2, 60)  # the first release whose Serve replicas check the token on their gRPC port (ray#65189)
 
 # Run in a fresh interpreter with token auth off: it connects to the GCS without a token.
 _PROBE = f"""
@@ -114,6 +122,41 @@ def require_token_auth(address: str) -> None:
         raise ConnectionError(f"resources.ray_address={address!r}: cannot reach the cluster: {tail[0]}")
 
 
+def ray_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a Ray version string: `2.60.0` -> (2, 60); a dev build `3.0.0.dev0` -> (3, 0)."""
+    major, minor = (version.split(".") + ["0"])[:2]
+    return int(major), int(re.match(r"\d*", minor).group() or 0)
+
+
+def require_safe_ray(allow_unauthenticated: bool) -> None:
+    """Refuse a Ray whose Serve replicas accept unauthenticated gRPC calls, unless the config allows
+    clusters that accept clients without a token anyway."""
+    if ray_release(ray.__version__) < MIN_RAY and not allow_unauthenticated:
+        raise ConfigError(
+            f"Ray {ray.__version__} is installed: before {MIN_RAY[0]}.{MIN_RAY[1]} its Serve replicas listen on every "
+            "interface and run unauthenticated requests (ray-project/ray#65189), so anyone who can reach this "
+            f"machine could run code in the run. Install 'ray[serve]>={MIN_RAY[0]}.{MIN_RAY[1]}', or set "
+            "resources.ray_allow_unauthenticated=true to run on it anyway")
+
+
+def ray_temp_dir() -> Path:
+    """`$TMPDIR/rlx-ray-<uid>`, this user's alone (0700): Ray's own default, /tmp/ray, is shared by every
+    user, with world-writable session folders and world-readable logs. Refused if another user (or a
+    link) holds the name."""
+    path = Path(tempfile.gettempdir()) / f"rlx-ray-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is not a directory of this user's (a link, a file, or another user's): remove "
+                           "it, or set $TMPDIR to a directory of your own, so Ray's session files stay private")
+    if info.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
 def start_ray(num_cpus: float | None = None, address: str | None = None,
               allow_unauthenticated: bool = False) -> None:
     """A new local cluster with token authentication; `address` joins an existing one, which must
@@ -121,6 +164,7 @@ def start_ray(num_cpus: float | None = None, address: str | None = None,
     ~/.ray/auth_token) unless `allow_unauthenticated`."""
     if ray.is_initialized():
         return
+    require_safe_ray(allow_unauthenticated)
     if address:
         if not allow_unauthenticated:
             require_token_auth(address)
@@ -141,6 +185,7 @@ def start_ray(num_cpus: float | None = None, address: str | None = None,
         num_cpus=num_cpus,
         runtime_env={"env_vars": {"PYTHONPATH": python_path, HOST_ENV: os.environ[HOST_ENV]}},
         _node_ip_address="127.0.0.1",
+        _temp_dir=str(ray_temp_dir()),
         include_dashboard=False,
         log_to_driver=False,
         configure_logging=False,

@@ -4,7 +4,7 @@ rank processes over one sharded model.
 `RankGroup` stands where the role would: the workers, colocate's loop and the Serve deployment call
 it as they call an `Actor`, a `Critic` or a `Reference`. It places N Ray actors together (a
 STRICT_PACK placement group), each joins one torch.distributed process group (gloo on CPU, nccl on
-CUDA; rendezvous at rank 0's node address) and builds the role over a `ShardedTrainingEngine` (a
+CUDA; rendezvous at a store rank 0 serves on one interface) and builds the role over a `ShardedTrainingEngine` (a
 `ShardedReference` for a forward-only role). Every call then runs on every rank in lockstep, since
 each forward and backward gathers parameters collectively:
 
@@ -24,7 +24,6 @@ checkpoint). The driver talks to the bus; the ranks only see the samples it hand
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlx.checkpoints import staged_checkpoint
 from rlx.data.sample import Sample
+from rlx.weights.broadcast import join_store, rendezvous_host, serve_store
 from rlx.weights.buckets import Bucket
 from rlx.weights.sync import WeightPublisher, from_object_store
 
@@ -86,23 +86,25 @@ class RankProcess:
     """One rank: joins the process group, builds the role, runs what the group asks of it."""
 
     def __init__(self, rank: int, world: int) -> None:
-        self.rank, self.world, self.role = rank, world, None
+        self.rank, self.world, self.role, self.store = rank, world, None, None
 
-    def rendezvous(self) -> str:
-        """`host:port` for the group to meet at: this node's address and a port free on it now."""
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            return f"{host}:{sock.getsockname()[1]}"
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0 serves the group's store on one interface (`rendezvous_host`: loopback on a local
+        cluster; torch's own `tcp://` rendezvous would listen on every one) and says where it is."""
+        host = rendezvous_host()
+        self.store = serve_store(host, START_TIMEOUT_S)
+        return host, self.store.port
 
-    def start(self, address: str, backend: str, threads: int, build: Callable[[], Any]) -> None:
+    def start(self, address: tuple[str, int], backend: str, threads: int, build: Callable[[], Any]) -> None:
         import torch
         import torch.distributed as dist
 
-        if address.startswith("127."):
+        host, port = address
+        if host.startswith("127."):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would otherwise pick the hostname's interface
         torch.set_num_threads(threads)
-        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world)
+        store = self.store if self.rank == 0 else join_store(host, port, START_TIMEOUT_S)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world)
         _mark_rank_of_group()
         self.role = build()
 
@@ -142,9 +144,10 @@ class RankGroup:
             RankProcess.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self._group, placement_group_bundle_index=rank)).remote(rank, ranks)
             for rank in range(ranks)]
-        address = ray.get(self._processes[0].rendezvous.remote())
+        self.address = ray.get(self._processes[0].rendezvous.remote())  # (host, port) of the group's store
         backend = "nccl" if num_gpus else "gloo"
-        ray.get([p.start.remote(address, backend, threads, build) for p in self._processes], timeout=START_TIMEOUT_S)
+        ray.get([p.start.remote(self.address, backend, threads, build) for p in self._processes],
+                timeout=START_TIMEOUT_S)
         self._version: int | None = None  # a trainer's steps finished, read once it is asked for
 
     # -- lockstep calls --------------------------------------------------------------------------

@@ -9,6 +9,11 @@ HealthManager sees its beats. What is particular to it lives here: the server is
 is added, probed every poll while it is in the run, and dropped when it stops answering (its relay
 is killed and its unfinished groups go back to the queue: no restart, nothing replaces it).
 
+A probe runs on a thread pool, never on the driver's loop: each poll takes the answers of the probes
+that finished and starts the next ones. A probe has a wall-clock deadline (a server that trickles
+its reply byte by byte is cut off there) and reads at most `PROBE_MAX_BYTES`; one still running
+past its deadline counts as unanswered.
+
 States (GET /v1/rollout/engines): `pending` (its relay is being placed), `loading` (the relay is
 starting and the latest weights go to the server), `active` (it serves), `draining` (removed: it
 takes no new group and finishes the ones it holds, then leaves the list).
@@ -20,21 +25,24 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import requests
 
 from rlx.config import RunConfig
-from rlx.engines.generation.server_client import check_response, excerpt, is_loopback
+from rlx.engines.generation.server_client import ServerError, check_response, excerpt, is_loopback, read_reply
 from rlx.orchestration.api import EngineConflict, EngineRejected, UnknownEngine
 
 # kinds with an adapter that drives a server by URL, and the route that answers when the server is up
 # and serves what the adapter needs (vLLM's /weight_info exists only with its RL API on)
 PROBE_ROUTES = {"sglang": "/get_model_info", "vllm": "/weight_info"}
 MAX_URL_ENGINES = 16
-PROBE_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 5.0  # wall clock, the whole probe: connect, headers and body
+PROBE_MAX_BYTES = 16 << 20  # vLLM's /weight_info lists every weight's name, dtype and shape
 DEAD_AFTER_PROBES = 3  # consecutive unanswered probes (one per driver poll) before a server counts as gone
 
 
@@ -53,31 +61,53 @@ def normalize_url(url: str) -> str:
     return f"{parts.scheme}://{host}:{port or (443 if parts.scheme == 'https' else 80)}"
 
 
-def probe(url: str, kind: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+def probe_once(url: str, kind: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     """Why the server at `url` is not a `kind` server that answers, or None when it is: its probe
-    route (`PROBE_ROUTES`) must answer a JSON object (the adapter reads its `weight_version` there)."""
+    route (`PROBE_ROUTES`) must answer a JSON object (the adapter reads its `weight_version` there).
+    Blocks up to about `timeout_s` (a reply's body is cut off there); `probe` bounds it exactly."""
     route = PROBE_ROUTES[kind]
+    deadline = time.monotonic() + timeout_s
     session = requests.Session()
     session.trust_env = not is_loopback(url)  # as the adapter: no proxy for a local server
     try:
-        response = session.get(url + route, timeout=timeout_s)
-        info = check_response(route, response.status_code, response.text, server=url)
+        response = session.get(url + route, timeout=timeout_s, stream=True)
+        text = read_reply(response, route, url, PROBE_MAX_BYTES, deadline)
+        info = check_response(route, response.status_code, text, server=url)
     except requests.RequestException as error:
         return f"{type(error).__name__}: {excerpt(str(error), 200)}"
-    except RuntimeError as error:  # ServerError: not 2xx, or not JSON
+    except ServerError as error:  # not 2xx, not JSON, too big or too slow
         return str(error)
     finally:
         session.close()
     return None if isinstance(info, dict) else f"GET {route} answered {excerpt(str(info), 100)}, not an object"
 
 
+PROBES = ThreadPoolExecutor(2 * MAX_URL_ENGINES, thread_name_prefix="rlx-url-probe")
+
+
+def probe(url: str, kind: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """`probe_once` on the probe pool, answered within `timeout_s` whatever the server does."""
+    try:
+        return PROBES.submit(probe_once, url, kind, timeout_s).result(timeout=timeout_s)
+    except FutureTimeout:
+        return late(timeout_s)
+
+
+def late(timeout_s: float) -> str:
+    return f"no complete answer within {timeout_s:g}s"
+
+
+KEY_OPTIONS = ("api_key", "api_key_env")  # a server's credentials: never sent to another server
+
+
 def url_engine_config(config: RunConfig, url: str, kind: str) -> dict[str, Any]:
     """The run's config with its rollout engine pointed at `url`. The run's own engine_options carry
-    over when the run already drives a `kind` server by URL (an API key, timeouts). What `auto` resolved to for the
-    run is pinned, so the relay writes the same bus fields as every other rollout replica."""
+    over when the run already drives a `kind` server by URL (timeouts, concurrency), but not its API
+    key, which belongs to the run's own server. What `auto` resolved to for the run is pinned, so
+    the relay writes the same bus fields as every other rollout replica."""
     raw = config.model_dump(mode="json")
     by_url = config.rollout.engine == kind and "url" in config.rollout.engine_options
-    options = config.rollout.engine_options if by_url else {}
+    options = {k: v for k, v in config.rollout.engine_options.items() if k not in KEY_OPTIONS} if by_url else {}
     raw["rollout"].update(engine=kind, engine_options={**options, "url": url})
     raw["algorithm"].update(behavior_correction=config.algorithm.resolved_correction,
                             routing_replay=config.routing_replay)
@@ -92,6 +122,8 @@ class UrlEngine:
     key: str  # its Serve application among the controller's handles
     draining: bool = False
     unanswered: int = 0  # consecutive probes the server did not answer
+    probing: Future | None = field(default=None, repr=False)  # the probe in flight
+    probe_started: float = 0.0  # when it started (monotonic)
 
     def info(self, state: str) -> dict[str, Any]:
         return {"id": self.id, "url": self.url, "engine": self.kind, "state": state}
@@ -154,19 +186,45 @@ class UrlEngines:
         return engine.info("draining")
 
     def observe(self) -> None:
-        """Probe every server in the run; drop the ones that stopped answering; forget drained ones."""
+        """Take the answers of the probes that finished (a probe past its deadline is unanswered), drop
+        the servers that stopped answering, start the next probes; forget drained engines. Never waits."""
         for engine in list(self.engines.values()):
             if engine.draining:
                 if not self._beating(engine.id) and not self.controller.app_running(engine.key):
                     self._forget(engine)
                 continue
-            problem = probe(engine.url, engine.kind)
+            answered = self._answer(engine)
+            if answered is None:
+                continue
+            problem = answered[0]
             engine.unanswered = 0 if problem is None else engine.unanswered + 1
             if engine.unanswered >= DEAD_AFTER_PROBES:
                 self._drop(engine, f"its server stopped answering ({problem})")
             elif problem is None and (failed := self.controller.app_failure(engine.key)) is not None:
                 # the server answers but the relay cannot start: e.g. it serves another model
                 self._drop(engine, f"its relay could not start: {excerpt(failed, 500)}")
+
+    def _answer(self, engine: UrlEngine) -> tuple[str | None] | None:
+        """(the finished probe's problem or None,), or None while a probe runs within its deadline.
+        Starts the next probe when none is in flight; a late one is left to end on its own (no
+        second probe of the same server meanwhile)."""
+        answer = None
+        if engine.probing is not None and engine.probing.done():
+            answer, engine.probing = (engine.probing.result(),), None
+        elif engine.probing is not None:
+            return (late(PROBE_TIMEOUT_S),) if time.monotonic() - engine.probe_started > PROBE_TIMEOUT_S else None
+        engine.probing = PROBES.submit(probe_once, engine.url, engine.kind, PROBE_TIMEOUT_S)
+        engine.probe_started = time.monotonic()
+        return answer
+
+    def probes_finished(self, timeout_s: float = 2 * PROBE_TIMEOUT_S) -> None:
+        """Wait for the probes in flight (tests: the next `observe` then sees their answers)."""
+        for engine in list(self.engines.values()):
+            if engine.probing is not None:
+                try:
+                    engine.probing.result(timeout=timeout_s)
+                except FutureTimeout:
+                    pass
 
     def _drop(self, engine: UrlEngine, why: str) -> None:
         self.controller.remove_app(engine.key)

@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -18,7 +19,8 @@ from ray import serve
 
 from rlx.config import ConfigError
 from rlx.orchestration.api import ScaleRefused, ScaleTimedOut
-from rlx.orchestration.cluster import ensure_token_file, require_token_auth, start_ray, stop_ray
+from rlx.orchestration.cluster import ensure_token_file, ray_temp_dir, require_token_auth, start_ray, stop_ray
+from rlx.orchestration.rank_group import RankGroup
 from rlx.orchestration.scaling import redeploy, require_placeable, running_replicas
 from rlx.weights.broadcast import HOST_ENV, rendezvous_host, serve_store
 
@@ -127,6 +129,26 @@ def test_the_weight_rendezvous_listens_on_loopback_only(monkeypatch):
     if other is not None:  # another interface of this machine does not reach it
         with pytest.raises(OSError):
             socket.create_connection((other, store.port), timeout=2).close()
+
+
+def listeners_on(port: int) -> set[str]:
+    """The addresses any process of this machine listens on at `port`."""
+    return {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def test_a_rank_groups_rendezvous_listens_on_loopback_only(token_cluster):
+    group = RankGroup(lambda: "role", ranks=2, num_cpus=0.5, num_gpus=0, threads=1, name="actor")
+    try:
+        host, port = group.address
+        assert host == "127.0.0.1" and listeners_on(port) == {"127.0.0.1"}
+        assert group._all("__len__") == [4, 4]  # both ranks joined the group and built their role
+    finally:
+        group.close()
+
+
+def test_ray_keeps_its_session_files_in_a_directory_of_this_user_alone(token_cluster):
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    assert session.parent == ray_temp_dir() and stat.S_IMODE(session.parent.stat().st_mode) == 0o700
 
 
 def test_an_unresolvable_rendezvous_host_names_the_setting():

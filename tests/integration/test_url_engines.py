@@ -119,7 +119,8 @@ def test_the_relay_config_points_the_engine_at_the_server_and_pins_what_auto_res
     assert raw["algorithm"]["behavior_correction"] == run.algorithm.resolved_correction == "decoupled"
     assert raw["algorithm"]["routing_replay"] == run.routing_replay
     same = run.model_copy(update={"rollout": run.rollout.model_copy(update={
-        "engine": "sglang", "engine_options": {"url": "http://127.0.0.1:1", "timeout_s": 30}})})
+        "engine": "sglang", "engine_options": {"url": "http://127.0.0.1:1", "timeout_s": 30, "api_key": "run-key"}})})
+    # the run's own server's key stays with that server (N15)
     assert url_engine_config(same, "http://127.0.0.1:2", "sglang")["rollout"]["engine_options"] == {
         "url": "http://127.0.0.1:2", "timeout_s": 30}
     # an in-process vllm run's engine arguments are not options of the vllm URL adapter
@@ -181,9 +182,12 @@ def test_an_engine_whose_server_stops_answering_is_dropped_and_its_groups_requeu
     server = LoopbackServer(tiny_path, max_batch_size=4).start()
     engines.add(server.url, "sglang")
     server.stop()
+    engines.observe()  # starts the first probe; each later poll takes an answer and starts the next probe
     for _ in range(DEAD_AFTER_PROBES - 1):
+        engines.probes_finished()
         engines.observe()
         assert engines.listing()[0]["state"] == "pending"  # one unanswered probe is not yet a death
+    engines.probes_finished()
     engines.observe()
     assert engines.listing() == [] and engines.health.retired == ["url-1"]
     assert engines.controller.removed == ["rollout-url-1"]
@@ -195,6 +199,8 @@ def test_an_engine_whose_server_stops_answering_is_dropped_and_its_groups_requeu
 def test_an_engine_whose_relay_cannot_start_is_dropped_with_serves_reason(engines, server):
     engines.add(server.url, "sglang")
     engines.controller.failed["rollout-url-1"] = "'lm_head.weight' is not a weight of /models/other"
+    engines.observe()
+    engines.probes_finished()
     engines.observe()
     assert engines.listing() == []
     assert "relay could not start: 'lm_head.weight' is not a weight" in engines.events[-1]["reason"]

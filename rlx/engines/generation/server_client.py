@@ -3,7 +3,9 @@
 Error replies become `ServerError`s that name the server, the route and the status; an API key
 travels as `Authorization: Bearer`; a server on a loopback address is called directly whatever
 HTTP(S)_PROXY says (a proxy would see its traffic and its key); requests run on a small thread
-pool so results stream back as each finishes while the server batches them. Weights can also go
+pool so results stream back as each finishes while the server batches them. A reply is read in
+pieces, up to `MAX_REPLY_BYTES` and within the call's wall-clock timeout (a server that trickles its
+body is cut off), and a body that is not sane JSON (too deep, a 5000-digit number) is a ServerError. Weights can also go
 by broadcast in a process group formed with the server (`process_group`, `broadcast_tensors`):
 the client is rank 0 and hosts the TCP store, the server's ranks follow.
 """
@@ -17,6 +19,7 @@ import math
 import os
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -28,6 +31,7 @@ from urllib.parse import urlsplit
 import requests
 import torch
 import torch.distributed as dist
+import urllib3
 from requests.adapters import HTTPAdapter
 from transformers import AutoConfig
 
@@ -36,6 +40,8 @@ from rlx.errors import ConfigError
 
 Refill = Callable[[int], list[GenerationRequest]]
 LOGPROB_SLACK = 1e-4  # a log-prob a hair above 0 is rounding; more is not a log-prob
+MAX_REPLY_BYTES = 256 << 20  # the largest reply rlx reads from a server (a batch's tokens and log-probs)
+READ_PIECE = 64 << 10
 WeightGroup = Any  # a c10d ProcessGroupGloo or ProcessGroupNCCL, used without a default group
 
 
@@ -61,7 +67,7 @@ def error_detail(text: str) -> str:
     (SGLang, OpenAI-style and FastAPI bodies) when present."""
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, a number past Python's digit limit, too deep
         data = None
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         data = data["error"]
@@ -84,9 +90,34 @@ def check_response(route: str, status: int, text: str, expect_json: bool = True,
         data = json.loads(text)
     except json.JSONDecodeError:
         raise error(route, status, f"reply is not JSON: {excerpt(text) or '(empty body)'}", server) from None
+    except (ValueError, RecursionError) as bad:  # a number past Python's digit limit; nesting too deep
+        raise error(route, status, f"reply is JSON rlx will not read ({type(bad).__name__}: "
+                    f"{excerpt(str(bad), 120)})", server) from None
     if isinstance(data, dict) and data.get("success") is False:
         raise error(route, status, error_detail(text), server)
     return data
+
+
+def read_reply(response: requests.Response, route: str, server: str, limit: int, deadline: float,
+               error: type[ServerError] = ServerError) -> str:
+    """The body of a response opened with `stream=True`, as text: read piece by piece (each piece
+    what one read returns) and refused once over `limit` bytes or past `deadline` (monotonic)."""
+    pieces, size = [], 0
+    try:
+        while piece := response.raw.read1(READ_PIECE, decode_content=True):
+            size += len(piece)
+            if size > limit:
+                raise error(route, response.status_code, f"reply over {limit} bytes", server)
+            if time.monotonic() > deadline:
+                raise error(route, response.status_code, "reply not complete within the timeout "
+                            f"({size} bytes so far)", server)
+            pieces.append(piece)
+    except (urllib3.exceptions.HTTPError, OSError) as failed:
+        raise error(route, response.status_code, f"reading the reply: {type(failed).__name__}: "
+                    f"{excerpt(str(failed), 200)}", server) from failed
+    finally:
+        response.close()
+    return b"".join(pieces).decode(response.encoding or "utf-8", errors="replace")
 
 
 def is_loopback(url: str) -> bool:
@@ -235,12 +266,14 @@ class ServerEngine(StreamingEngine):
 
     def _call(self, method: str, route: str, body: dict | None = None, expect_json: bool = True,
               params: dict[str, Any] | None = None) -> Any:
+        deadline = time.monotonic() + self.timeout_s
         try:
             response = self._session.request(method, self.url + route, json=body, params=params,
-                                             timeout=self.timeout_s)
+                                             timeout=self.timeout_s, stream=True)
         except requests.RequestException as error:
             raise self.error(route, None, f"{type(error).__name__}: {error}", self.url) from error
-        return check_response(route, response.status_code, response.text, expect_json, self.url, self.error)
+        text = read_reply(response, route, self.url, MAX_REPLY_BYTES, deadline, self.error)
+        return check_response(route, response.status_code, text, expect_json, self.url, self.error)
 
     @abc.abstractmethod
     def _generate_one(self, request: GenerationRequest, params: SamplingParams) -> GenerationResult:
