@@ -48,30 +48,43 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _api(run_dir: str) -> tuple[str, dict[str, str]]:
-    """A live run's API URL and auth header, from the files it wrote into its run directory."""
+def _api(run_dir: str, method: str, route: str, timeout_s: float, **body: object) -> tuple[bool, object]:
+    """Call a live run's API, found from the files it wrote into its run directory: (whether it
+    answered 2xx, its JSON). Never through a proxy (the token would pass through it); a run that
+    has ended, or an API that does not answer, is a UserError that says so."""
+    import requests
+
     where = Path(run_dir)
-    if not (where / "api.json").exists():
-        raise UserError(f"{run_dir} has no api.json: is it an async run that is still going?")
-    token = (where / "api_token").read_text() if (where / "api_token").exists() else ""
-    return json.loads((where / "api.json").read_text())["url"], {"Authorization": f"Bearer {token}"}
+    try:
+        url = json.loads((where / "api.json").read_text())["url"]
+        token = (where / "api_token").read_text().strip()
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{run_dir} has no readable api.json and api_token: is it an async run that is still "
+                        "going?") from None
+    with requests.Session() as session:
+        session.trust_env = False
+        try:
+            response = session.request(method, f"{url}{route}", json=body or None, timeout=timeout_s,
+                                       headers={"Authorization": f"Bearer {token}"})
+        except requests.RequestException as error:
+            raise UserError(f"the run's API at {url} does not answer ({type(error).__name__}): has the run "
+                            "ended?") from None
+    try:
+        return response.ok, response.json()
+    except ValueError:
+        return False, {"detail": f"HTTP {response.status_code}: {response.text[:300]}"}
 
 
 def _status(args: argparse.Namespace) -> int:
-    import requests
-
-    url, auth = _api(args.run_dir)
-    print(json.dumps(requests.get(f"{url}/v1/status", headers=auth, timeout=30).json(), indent=2))
-    return 0
+    ok, reply = _api(args.run_dir, "GET", "/v1/status", 30)
+    print(json.dumps(reply, indent=2))
+    return 0 if ok else 1
 
 
 def _scale(args: argparse.Namespace) -> int:
-    import requests
-
-    url, auth = _api(args.run_dir)
-    response = requests.post(f"{url}/v1/rollout/scale", json={"replicas": args.replicas}, headers=auth, timeout=600)
-    print(json.dumps(response.json()))
-    return 0 if response.ok else 1
+    ok, reply = _api(args.run_dir, "POST", "/v1/rollout/scale", 600, replicas=args.replicas)
+    print(json.dumps(reply))
+    return 0 if ok else 1
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -3,8 +3,16 @@
 `Guard` is ASGI middleware that answers before any body is read: a Host header other than this
 machine's names is 421 (DNS rebinding), a missing or wrong bearer token 401, more than
 `max_concurrent` requests at once 429; a body over `max_body_bytes` is 413. `ServerThread` runs
-an app with uvicorn on a daemon thread, beside the process's own work. It lives at the bottom
-layer so any server, whatever its layer, can use it without importing another layer.
+an app with uvicorn on a daemon thread, beside the process's own work, on a socket it binds itself
+(the port is never picked first and bound later). It lives at the bottom layer so any server,
+whatever its layer, can use it without importing another layer.
+
+Connections are bounded before any request reaches the Guard (which acts per request): at most
+`MAX_CONNECTIONS` at once, a new one over that closing the oldest that has not started a request;
+a connection that has not sent a whole request head within `HEAD_TIMEOUT_S`, or stays idle
+`KEEP_ALIVE_S` after a response, is closed; a request head is at most `MAX_HEAD_BYTES`. So idle
+connections from other local users cannot use up the process's file descriptors (its metrics and
+checkpoints need them), and a request that starts on a fresh connection is served.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 TOKEN_HINT = "it is in <run_dir>/api_token"  # where the management API's token is written
@@ -29,6 +38,10 @@ Send = Callable[[Message], Awaitable[None]]
 Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 GONE = b"<the client disconnected>"  # compared by identity: no real body is this object
+MAX_CONNECTIONS = 64
+HEAD_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 5
+MAX_HEAD_BYTES = 8192
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -136,18 +149,72 @@ async def reply(send: Send, status: int, detail: str, headers: list[tuple[bytes,
 
 
 def free_port() -> int:
+    """A port nothing listens on now (tests use it for an address where no server answers)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
+class BoundedH11(H11Protocol):
+    """uvicorn's h11 connection with the bounds above (uvicorn itself has no timer before a first
+    request and no cap on open connections)."""
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.opened_at, self.head_timer = time.monotonic(), None
+        self._await_head()
+        if len(self.connections) > MAX_CONNECTIONS:  # the oldest idle one goes (this one, if no other is idle)
+            idle = [c for c in self.connections if isinstance(c, BoundedH11) and c.idle()]
+            min(idle, key=lambda c: c.opened_at).transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.idle():
+            self._await_head()
+        elif self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+        super().connection_lost(exc)
+
+    def idle(self) -> bool:
+        """No request in progress: none yet, or the last one answered."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def _await_head(self) -> None:
+        if self.head_timer is None:
+            self.head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
+    def _head_late(self) -> None:
+        self.head_timer = None
+        if self.idle():
+            self.transport.close()
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host` (`port=0`: a free port), bound now so no other process can
+    take the port between choosing and serving it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=MAX_CONNECTIONS)
+
+
 class ServerThread:
-    """`app` served by uvicorn on a daemon thread; `what` names the server in start-up errors."""
+    """`app` served by uvicorn on a daemon thread; `what` names the server in start-up errors.
+    `port=0`: a free port, bound at once (`self.port` says which)."""
 
     def __init__(self, app: Asgi, host: str, port: int, what: str, thread_name: str) -> None:
-        self.url, self.what = f"http://{host}:{port}", what
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, name=thread_name, daemon=True)
+        self.socket = bound_socket(host, port)
+        self.port = self.socket.getsockname()[1]
+        self.url, self.what = f"http://{host}:{self.port}", what
+        self.server = uvicorn.Server(uvicorn.Config(
+            app, host=host, port=self.port, log_level="warning", http=BoundedH11,
+            limit_concurrency=MAX_CONNECTIONS + 1,  # BoundedH11 caps connections; uvicorn's 503 never comes first
+            timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=MAX_HEAD_BYTES))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name=thread_name,
+                                       daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Returns once the server accepts connections."""
@@ -161,3 +228,4 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.socket.close()

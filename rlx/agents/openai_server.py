@@ -47,7 +47,7 @@ from rlx.agents.episodes import CallRecord, EpisodeClosed, EpisodeRecorder, Epis
 from rlx.agents.parsers import parse_hermes
 from rlx.engines.generation.base import SamplingParams
 from rlx.engines.generation.engine_loop import EngineLoop, EngineLoopStopped
-from rlx.http_guard import LOOPBACK_NAMES, Guard, ServerThread, free_port
+from rlx.http_guard import LOOPBACK_NAMES, Guard, ServerThread
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -197,12 +197,11 @@ class AgentServer:
         self.model_name = model_name
         self.token = secrets.token_urlsafe(32)
         self.episodes = Episodes()
-        self.port = port or free_port()
         self.created = int(time.time())
         app = Guard(self._build_app(), self.token, LOOPBACK_NAMES | {host.lower()}, self.limits.max_body_bytes,
                     self.limits.max_concurrent, token_hint="the api_key rlx passes to the agent app")
-        self._serving = ServerThread(app, host, self.port, "the agent-app endpoint", "rlx-agent-server")
-        self.url = self._serving.url
+        self._serving = ServerThread(app, host, port, "the agent-app endpoint", "rlx-agent-server")
+        self.port, self.url = self._serving.port, self._serving.url
 
     def base_url(self, episode_id: str) -> str:
         return f"{self.url}/episodes/{episode_id}/v1"

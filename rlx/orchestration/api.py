@@ -22,7 +22,7 @@ from fastapi import FastAPI, HTTPException, Security
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlx.http_guard import LOOPBACK_NAMES, TOKEN_HINT, Guard, ServerThread, free_port
+from rlx.http_guard import LOOPBACK_NAMES, TOKEN_HINT, Guard, ServerThread
 
 MAX_ROLLOUT_REPLICAS = 16
 MAX_BODY_BYTES = 64 * 1024  # the largest body any route takes is a few bytes of JSON
@@ -185,12 +185,12 @@ def build_api(control: RunControl, token: str, host: str = "127.0.0.1", max_body
 
 
 class ApiServer:
-    """Serves the API on a thread; writes `api.json` (its URL) and `api_token` (mode 0600) to the run dir."""
+    """Serves the API on a thread; writes `api.json` (its URL) and `api_token` (mode 0600) to the run
+    dir, and removes both when it stops."""
 
     def __init__(self, control: RunControl, run_dir: Path, host: str = "127.0.0.1", port: int = 0,
                  max_concurrent: int = MAX_CONCURRENT) -> None:
         self.token = secrets.token_urlsafe(32)
-        self.port = port or free_port()
         self.run_dir = run_dir
         token_file = run_dir / "api_token"
         token_file.unlink(missing_ok=True)
@@ -198,14 +198,20 @@ class ApiServer:
         with os.fdopen(fd, "w") as out:
             out.write(self.token)
         app = build_api(control, self.token, host, max_concurrent=max_concurrent)
-        self.serving = ServerThread(app, host, self.port, "the management API", "rlx-api")
-        self.url = self.serving.url
+        self.serving = ServerThread(app, host, port, "the management API", "rlx-api")
+        self.port, self.url = self.serving.port, self.serving.url
 
     def start(self, timeout_s: float = 30.0) -> ApiServer:
-        """Returns once the server accepts connections; only then is `api.json` written."""
+        """Returns once the server accepts connections; only then is `api.json` written (whole: a
+        reader never sees half of it)."""
         self.serving.start(timeout_s)
-        (self.run_dir / "api.json").write_text(json.dumps({"url": self.url}))
+        staged = self.run_dir / ".api.json.partial"
+        staged.write_text(json.dumps({"url": self.url}))
+        staged.replace(self.run_dir / "api.json")
         return self
 
     def stop(self) -> None:
+        """Stops serving and removes `api.json` and `api_token`: a stopped run has no API to point at."""
         self.serving.stop()
+        for name in ("api.json", "api_token"):
+            (self.run_dir / name).unlink(missing_ok=True)

@@ -13,11 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
+from rlx import cli, http_guard
+from rlx.http_guard import MAX_CONNECTIONS, MAX_HEAD_BYTES
 from rlx.orchestration.api import (
     MAX_BODY_BYTES,
     ApiServer,
@@ -188,6 +191,74 @@ def test_requests_beyond_the_concurrency_limit_get_429(api):
     for thread in held:
         thread.join(10)
     assert requests.get(server.url + "/v1/rollout/engines", headers=auth, timeout=10).status_code == 200
+
+
+def closed(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closed this connection (it reads end-of-file) within `within_s`."""
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_connections_are_bounded_and_closed_and_the_token_holder_is_served(tmp_path, monkeypatch):
+    monkeypatch.setattr(http_guard, "HEAD_TIMEOUT_S", 1.5)
+    server = ApiServer(StandIn(), tmp_path).start()
+    auth = {"Authorization": f"Bearer {server.token}"}
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(3 * MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.3)
+        held = [c for c in psutil.Process().net_connections("tcp")
+                if c.laddr.port == server.port and c.status == psutil.CONN_ESTABLISHED]
+        assert len(held) <= MAX_CONNECTIONS  # the server's side: the process's descriptors stay bounded
+        assert closed(idle[0], 1.0)  # the oldest idle ones made room
+        # a request on a fresh connection is served at once, the idle ones notwithstanding
+        assert requests.get(server.url + "/v1/status", headers=auth, timeout=10).json() == {"step": 1}
+        slow = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        slow.sendall(b"GET /v1/status HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # a head that never ends
+        assert closed(slow, 3.0) and all(closed(c, 3.0) for c in idle[-MAX_CONNECTIONS // 2:])
+        huge = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        huge.sendall(b"GET /v1/status HTTP/1.1\r\nHost: 127.0.0.1\r\nX: " + b"a" * (2 * MAX_HEAD_BYTES))
+        assert huge.recv(100).startswith(b"HTTP/1.1 4") or closed(huge, 1.0)  # an over-long head is refused
+    finally:
+        for sock in idle:
+            sock.close()
+        server.stop()
+
+
+def test_the_api_port_is_bound_when_the_server_is_made(tmp_path):
+    server = ApiServer(StandIn(), tmp_path)  # not started yet: nothing else can take its port meanwhile
+    try:
+        with pytest.raises(OSError), socket.socket() as other:
+            other.bind(("127.0.0.1", server.port))
+    finally:
+        server.serving.socket.close()
+
+
+def test_the_cli_reaches_a_live_api_without_a_proxy_and_errs_cleanly_once_it_is_gone(tmp_path, monkeypatch, capsys):
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):  # a proxy that would see the token (nothing listens)
+        monkeypatch.setenv(name, f"http://127.0.0.1:{http_guard.free_port()}")
+    control = StandIn()
+    server = ApiServer(control, tmp_path).start()
+    assert not list(tmp_path.glob(".api.json*"))  # written whole, nothing staged left behind
+    try:
+        assert cli.main(["status", str(tmp_path)]) == 0 and json.loads(capsys.readouterr().out) == {"step": 1}
+        assert cli.main(["scale", str(tmp_path), "9"]) == 1  # refused (409): the exit status says so
+        assert "need 1 CPU each" in capsys.readouterr().out and control.replicas == 1
+    finally:
+        server.stop()
+    assert not (tmp_path / "api.json").exists() and not (tmp_path / "api_token").exists()
+    assert cli.main(["status", str(tmp_path)]) == 2
+    assert "no readable api.json" in capsys.readouterr().err
+    (tmp_path / "api.json").write_text(json.dumps({"url": f"http://127.0.0.1:{http_guard.free_port()}"}))
+    (tmp_path / "api_token").write_text("stale")
+    assert cli.main(["status", str(tmp_path)]) == 2  # a stale file from a run killed hard: no traceback
+    assert "does not answer (ConnectionError): has the run ended?" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("body", [{"replicas": True}, {"replicas": "2"}, {"replicas": 2.0}, {"replicas": 2, "force": 1},
