@@ -256,13 +256,19 @@ def _bench(args: argparse.Namespace) -> int:
 
         table = format_table(run_r3_benchmark(Path(args.work_dir), repeats=args.repeats))
         command = f"rlx bench r3 --repeats {args.repeats}"
+    elif args.what == "parity":
+        from rlx.bench.parity import format_table, run_parity_benchmark
+
+        table = format_table(run_parity_benchmark())
+        command = "rlx bench parity"
     else:
         from rlx.bench.pipeline import format_table, run_pipeline_benchmark
 
         table = format_table(run_pipeline_benchmark(Path(args.work_dir), steps=args.steps))
         command = f"rlx bench pipeline --steps {args.steps}"
     print(table)
-    out = Path(args.out or ("docs/algorithms.md" if args.what in ("algorithms", "staleness") else "docs/benchmarks.md"))
+    out = Path(args.out or ("docs/algorithms.md" if args.what in ("algorithms", "staleness", "parity")
+                            else "docs/benchmarks.md"))
     update_section(out, args.what, command, table)
     print(f"written to {out}")
     return 0
@@ -315,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side; results go to docs/benchmarks.md")
     bench.add_argument("what", choices=["pipeline", "bus", "weights", "engines", "algorithms", "staleness", "agentic",
-                                          "r3", "shards", "mm", "trl"])
+                                          "r3", "shards", "mm", "trl", "parity"])
     bench.add_argument("--steps", type=int, help="training steps per mode (pipeline, agentic) or per run "
                        "(algorithms, staleness, trl: the same sample budget for every run); 8, or 30 for trl")
     bench.add_argument("--systems", help="trl: comma-separated systems to run, from trl, rlx, trl-bf16, rlx-bf16, "
@@ -328,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "or 500 for trl)")
     bench.add_argument("--cells", help="staleness: run only these max_staleness:correction pairs "
                        "(every seed, or one named after them), e.g. 0:none,4:tis:0; finished cells found in --work-dir stay in the table")
-    bench.add_argument("--out", help="default docs/benchmarks.md (algorithms, staleness: docs/algorithms.md)")
+    bench.add_argument("--out", help="default docs/benchmarks.md (algorithms, staleness, parity: "
+                       "docs/algorithms.md)")
     bench.set_defaults(func=_bench)
 
     evaluate = sub.add_parser("eval", help="greedy held-out accuracy of a run's latest checkpoint")

@@ -380,6 +380,11 @@ class AlgorithmConfig(Section):
     loss: LossConfig = Field(default_factory=ClippedLoss, description="the policy loss and its knobs, chosen by "
                              "`type`: clipped (when type is left out), gspo, sapo, cispo, or custom")
     norm_std: bool = Field(True, description="divide GRPO advantages by the group std (false: Dr.GRPO)")
+    std_eps: float = Field(1e-6, gt=0.0, description="added to the std (outside the square root) where GRPO and "
+                           "REINFORCE++ (over responses) divide by it; TRL uses 1e-4, verl 1e-6")
+    reinforce_pp_normalize: Literal["responses", "tokens"] = Field(
+        "responses", description="REINFORCE++ (and _baseline): normalise over responses (each counts once), or over "
+        "tokens as verl (a response weighs by its trained tokens; Bessel over tokens, rsqrt(var + 1e-8))")
     kl_coef: float = Field(0.0, ge=0.0)
     kl_reference_refresh_every: int = Field(
         0, ge=0, description="0: the KL reference is the initial policy; N: it takes the policy's weights every N "

@@ -7,6 +7,7 @@ REINFORCE++), GAE over the critic's values (PPO), and the teacher's per-token re
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -74,7 +75,15 @@ class Advantages:
         else:  # over episodes: one that made several samples is one response of its group
             episode_of, firsts = episodes(scored)
             group_ids = torch.tensor([scored[i].group_id for i in firsts])
-            per_episode = ADVANTAGE_ESTIMATORS.get(a.advantage)(rewards[firsts], group_ids, norm_std=a.norm_std)
+            tokens = None
+            if a.reinforce_pp_normalize == "tokens":  # an episode weighs by the trained tokens of all its samples
+                tokens = torch.zeros(len(firsts)).index_add(0, torch.tensor(episode_of), torch.tensor(
+                    [float(sum(s.loss_mask)) if s.loss_mask is not None else float(len(s.response_ids))
+                     for s in scored]))
+            estimator = ADVANTAGE_ESTIMATORS.get(a.advantage)
+            accepted = inspect.signature(estimator).parameters  # an estimator of yours may take norm_std only
+            options = {k: v for k, v in (("eps", a.std_eps), ("tokens", tokens)) if k in accepted}
+            per_episode = estimator(rewards[firsts], group_ids, norm_std=a.norm_std, **options)
             advantages = per_episode[episode_of]
         for sample, advantage in zip(scored, advantages.tolist()):
             sample.advantage = advantage
