@@ -539,7 +539,9 @@ class ResourcesConfig(Section):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: all cores")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     ray_allow_unauthenticated: bool = Field(False, description="join a ray_address cluster that accepts clients "
-                                            "without Ray's auth token (anyone who reaches it can run code in the run)")
+                                            "without Ray's auth token, or run on a Ray before 2.60 (whose Serve "
+                                            "replicas take unauthenticated calls): anyone who reaches it can run code "
+                                            "in the run")
     ray_num_cpus: float = Field(8.0, gt=0, description="logical CPUs of a local Ray cluster")
     rollout: RoleResources = Field(default_factory=RoleResources)
     actor: RoleResources = Field(default_factory=RoleResources)
