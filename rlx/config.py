@@ -838,6 +838,9 @@ def config_warnings(c: RunConfig) -> list[str]:
     if c.reward.name == "genrm" and c.rollout.engine != "hf" and "engine" not in judge.model_fields_set:
         warnings.append(f"the GenRM judge runs on its own engine, reward.judge.engine=hf, not the policy's "
                         f"rollout.engine={c.rollout.engine}: set reward.judge.engine (and engine_options) to change it")
+    if c.algorithm.reinforce_pp_normalize == "tokens" and not c.algorithm.advantage.startswith("reinforce_pp"):
+        warnings.append(f"algorithm.reinforce_pp_normalize=tokens has no effect with algorithm.advantage="
+                        f"{c.algorithm.advantage}: it applies to reinforce_pp and reinforce_pp_baseline")
     if c.algorithm.kl_type == "k1" and c.algorithm.kl_coef > 0:
         warnings.append(f"algorithm.kl_type=k1 with kl_coef={c.algorithm.kl_coef}: k1's gradient is zero in "
                         "expectation, so the KL term adds only noise; use kl_type=k3 (forward KL), k2 or k3_ratio "

@@ -227,3 +227,34 @@ def test_k1_with_a_kl_coefficient_warns_that_its_gradient_is_zero():
     assert any("algorithm.kl_type=k1" in w and "zero in expectation" in w for w in warned), warned
     assert not any("kl_type" in w for w in config_warnings(build_config({"algorithm": {"kl_coef": 0.05}})))
     assert not any("kl_type" in w for w in config_warnings(build_config({"algorithm": {"kl_type": "k1"}})))
+
+
+def test_token_normalisation_on_another_estimator_warns_it_does_nothing():
+    from rlx.config import config_warnings
+
+    warned = config_warnings(build_config({"algorithm": {"reinforce_pp_normalize": "tokens"}}))
+    assert any("reinforce_pp_normalize=tokens has no effect with algorithm.advantage=grpo" in w for w in warned)
+    rf = build_config({"algorithm": {"reinforce_pp_normalize": "tokens", "advantage": "reinforce_pp"}})
+    assert not any("reinforce_pp_normalize" in w for w in config_warnings(rf))
+
+
+def test_reinforce_pp_over_tokens_weighs_each_response_by_its_tokens():
+    # rewards [0, 1] with 1 and 3 tokens: token-weighted mean 0.75, Bessel over 4 tokens:
+    # var = (0.75^2 + 3 * 0.25^2) / 3 = 0.25 -> advantages (x - 0.75) / 0.5 = [-1.5, 0.5]
+    out = reinforce_pp_advantages(torch.tensor([0.0, 1.0], dtype=torch.float64), torch.tensor([0, 1]),
+                                  tokens=torch.tensor([1.0, 3.0]))
+    assert out.tolist() == pytest.approx([-1.5, 0.5], abs=1e-7)
+
+
+def test_the_advantages_role_counts_trained_tokens_for_reinforce_pp_over_tokens():
+    from rlx.data.sample import Sample
+    from rlx.roles.advantages import Advantages
+
+    samples = [Sample(uid=0, group_id=0, response_ids=[1] * 4, loss_mask=[1.0, 0.0, 0.0, 1.0], reward=0.0),
+               Sample(uid=1, group_id=1, response_ids=[1] * 3, reward=1.0)]  # no loss mask: every token trained
+    config = AlgorithmConfig(advantage="reinforce_pp", reinforce_pp_normalize="tokens")
+    Advantages(config, filter_zero_std=False).compute(samples)
+    want = reinforce_pp_advantages(torch.tensor([0.0, 1.0]), torch.tensor([0, 1]), tokens=torch.tensor([2.0, 3.0]))
+    assert [s.advantage for s in samples] == pytest.approx(want.tolist())
+    assert want[0] != pytest.approx(reinforce_pp_advantages(torch.tensor([0.0, 1.0]), torch.tensor([0, 1]),
+                                                            tokens=torch.tensor([4.0, 3.0]))[0].item())
