@@ -26,9 +26,12 @@ from rlx.agents.trajectory import ToolCallRecord
 from rlx.data.rows import Messages, PromptRow
 from rlx.errors import ConfigError
 from rlx.registry import Registry
+from rlx.rewards.pool import RewardFailure
+from rlx.rewards.safe import score_safely
 
 if TYPE_CHECKING:
     from rlx.agents.tools import ToolBox
+    from rlx.rewards.pool import RewardPool
 
 
 @dataclass
@@ -98,11 +101,17 @@ class ToolEnvironment(Environment):
 
 
 class FeedbackEnvironment(Environment):
-    """Answer, hear whether it is right, try again: multi-turn with no tool involved."""
+    """Answer, hear whether it is right, try again: multi-turn with no tool involved.
+
+    The run's reward scores each answer through `score_safely`: a pooled reward (math_verify,
+    reasoning_gym, user code) runs in `pool`'s killable processes within `timeout_s`
+    (`reward.timeout_s`), and a reward that fails ends the trajectory (env_error), not the rollout."""
 
     def __init__(self, score: Callable[[str, str, dict[str, Any]], float], system_prompt: str | None = None,
-                 retry_message: str = "That is not correct. Try again, and reply with only the final answer.") -> None:
+                 retry_message: str = "That is not correct. Try again, and reply with only the final answer.",
+                 timeout_s: float | None = None, pool: RewardPool | None = None) -> None:
         self.score, self.system_prompt, self.retry_message = score, system_prompt, retry_message
+        self.timeout_s, self.pool = timeout_s, pool
         self.row: PromptRow | None = None
 
     def reset(self, row: PromptRow) -> Messages:
@@ -111,10 +120,12 @@ class FeedbackEnvironment(Environment):
 
     def step(self, action: str) -> EnvStep:
         assert self.row is not None, "reset() starts an episode"
-        score = float(self.score(action, self.row.label, self.row.metadata))
-        if score >= 1.0:
-            return EnvStep(done=True, reward=score)
-        return EnvStep([{"role": "user", "content": self.retry_message}], reward=score)
+        outcome = score_safely(self.score, action, self.row.label, self.row.metadata, self.timeout_s, self.pool)
+        if outcome.failed:
+            raise RewardFailure(f"the feedback reward failed: {outcome.error}")
+        if outcome.score >= 1.0:
+            return EnvStep(done=True, reward=outcome.score)
+        return EnvStep([{"role": "user", "content": self.retry_message}], reward=outcome.score)
 
 
 EnvironmentFactory = Callable[[], Environment]
@@ -129,9 +140,11 @@ def tools_environment(toolbox: ToolBox, parser: ToolCallParser, system_prompt: s
 
 @ENVIRONMENTS.register("feedback")
 def feedback_environment(score: Callable[[str, str, dict[str, Any]], float], system_prompt: str | None,
+                         timeout_s: float | None = None, pool: RewardPool | None = None,
                          **options: Any) -> EnvironmentFactory:
+    """`pool`: the reward pool its trajectories share (the factory holds it: its processes end with it)."""
     retry = {k: options[k] for k in ("retry_message",) if k in options}
-    return lambda: FeedbackEnvironment(score, system_prompt, **retry)
+    return lambda: FeedbackEnvironment(score, system_prompt, timeout_s=timeout_s, pool=pool, **retry)
 
 
 def environment_class(path: str) -> type[Environment]:

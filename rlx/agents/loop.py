@@ -42,6 +42,7 @@ from rlx.engines.generation.base import SamplingParams
 from rlx.engines.generation.engine_loop import EngineLoop
 from rlx.media.inputs import MediaInputs
 from rlx.media.loading import MEDIA_KINDS
+from rlx.rewards.safe import bounded
 from rlx.roles.rollout import Group, Rollout
 
 if TYPE_CHECKING:
@@ -138,17 +139,18 @@ class AgentRollout(ConcurrentRollout):
     def respond(self, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> list[Trajectory]:
         try:
             env = self.environments()
-        except Exception as error:  # noqa: BLE001 - user environment code (or its process); the sample carries it
+        except BaseException as error:  # noqa: BLE001 - user environment code (sys.exit too); the sample carries it
             return [self._not_started(row, "start", error)]
         try:
             return [self._play(env, loop, row, params)]
         finally:
             env.close()
 
-    def _not_started(self, row: PromptRow, stage: str, error: Exception) -> Trajectory:
+    def _not_started(self, row: PromptRow, stage: str, error: BaseException) -> Trajectory:
         """The sample of an episode whose environment could not start: the row's prompt, no response,
         the reason; at the engine's current version, so it counts as on time."""
-        log.warning("environment %s failed: %s: %s", stage, type(error).__name__, error)
+        reason = bounded(f"{type(error).__name__}: {error}")
+        log.warning("environment %s failed: %s", stage, reason)
         version = self.engine.weight_version
         messages = opening_messages(row, None, ())
         try:
@@ -157,13 +159,13 @@ class AgentRollout(ConcurrentRollout):
             prompt_ids, media = self.chat.prompt_ids(messages), None
         trajectory = Trajectory(prompt_ids, finish_reason="env_error", behavior_version=version,
                                 last_behavior_version=version, media=media)
-        trajectory.env_error = f"{type(error).__name__}: {error}"
+        trajectory.env_error = reason
         return trajectory
 
     def _play(self, env: Environment, loop: EngineLoop, row: PromptRow, params: SamplingParams) -> Trajectory:
         try:
             messages = env.reset(row)
-        except Exception as error:  # noqa: BLE001 - user environment code; the sample carries the failure
+        except BaseException as error:  # noqa: BLE001 - user environment code (sys.exit too); the sample carries it
             return self._not_started(row, "reset", error)
         try:
             prompt_ids, media = self._opening(messages, row)
@@ -183,9 +185,9 @@ class AgentRollout(ConcurrentRollout):
                 return _finish(trajectory, "length" if budget >= params.max_new_tokens else "max_tokens")
             try:
                 step = env.step(text)
-            except Exception as error:  # noqa: BLE001 - user environment code; the trajectory ends, the run goes on
-                log.warning("environment step failed: %s: %s", type(error).__name__, error)
-                trajectory.env_error = f"{type(error).__name__}: {error}"
+            except BaseException as error:  # noqa: BLE001 - user environment code (sys.exit too): the trajectory ends
+                trajectory.env_error = bounded(f"{type(error).__name__}: {error}")
+                log.warning("environment step failed: %s", trajectory.env_error)
                 return _finish(trajectory, "env_error")
             trajectory.tool_calls += step.tool_calls
             if step.reward is not None:

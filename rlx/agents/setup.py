@@ -54,10 +54,13 @@ def environment_factory(config: RunConfig, toolbox: ToolBox | None) -> Environme
                               "e.g. [{name: calculator}]")
         return ENVIRONMENTS.get("tools")(toolbox, build_parser(agent.parser), system_prompt, agent.examples,
                                          **agent.environment_options)
-    from rlx.rewards import build_reward_fn
+    from rlx.rewards import PooledReward, RewardPool, build_reward
 
-    score = build_reward_fn(config.reward.name, config.reward.extract, config.reward.format_pattern)
-    return ENVIRONMENTS.get(agent.environment)(score=score, system_prompt=system_prompt, **agent.environment_options)
+    score = build_reward(config.reward.name, config.reward.extract, config.reward.format_pattern)
+    pool = RewardPool(rollout_concurrency(config)) if isinstance(score, PooledReward) else None
+    return ENVIRONMENTS.get(agent.environment)(score=score, system_prompt=system_prompt,
+                                               timeout_s=config.reward.timeout_s, pool=pool,
+                                               **agent.environment_options)
 
 
 def rollout_concurrency(config: RunConfig) -> int:

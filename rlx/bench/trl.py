@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,22 @@ def run_rlx(settings: Settings, system: str, out: Path) -> dict[str, Any]:
             "model_dir": str(latest_checkpoint(run_dir))}
 
 
+def trl_reward(rows: list[PromptRow], config: RunConfig) -> Callable[..., list[float]]:
+    """TRL's reward function: rlx's own Reward role of `config` (its reward pool, its deadline), so
+    both systems score alike; a failed sample scores 0, as rlx's evaluator counts it."""
+    from rlx.data.sample import Sample
+    from rlx.orchestration.builder import build_reward_role
+
+    role = build_reward_role(config)
+
+    def reward(completions: list, index: list[int], **_: Any) -> list[float]:
+        samples = [Sample(uid=k, group_id=i, response_text=c[-1]["content"], label=rows[i].label,
+                          metadata=rows[i].metadata) for k, (c, i) in enumerate(zip(completions, index))]
+        return [s.reward for s in role.score(samples)]
+
+    return reward
+
+
 def run_trl(settings: Settings, system: str, out: Path) -> dict[str, Any]:
     """Train with TRL's GRPOTrainer on the same rows, reward, sampling and optimizer settings."""
     from datasets import Dataset
@@ -108,7 +125,6 @@ def run_trl(settings: Settings, system: str, out: Path) -> dict[str, Any]:
 
     from rlx.data.prompts import prompt_token_ids
     from rlx.models import resolve_model_path
-    from rlx.rewards import build_reward
 
     rows = train_prompts(settings)
     model_path = str(resolve_model_path(settings.model))
@@ -119,10 +135,7 @@ def run_trl(settings: Settings, system: str, out: Path) -> dict[str, Any]:
     ours = prompt_token_ids(rows[0], tokenizer, settings.system_prompt, True)
     if list(theirs) != list(ours):
         raise RuntimeError(f"TRL's prompt tokens differ from rlx's: {list(theirs)[:20]}... vs {ours[:20]}...")
-    score = build_reward("reasoning_gym", "last_number")
-
-    def reward(completions: list, index: list[int], **_: Any) -> list[float]:
-        return [score(c[-1]["content"], rows[i].label, rows[i].metadata) for c, i in zip(completions, index)]
+    reward = trl_reward(rows, rlx_config(settings, out / "run"))
 
     starts: list[float] = []
     ends: list[float] = []

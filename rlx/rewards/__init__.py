@@ -12,7 +12,10 @@ from rlx.rewards.judge import JUDGE_PARSERS, JudgeParser
 from rlx.rewards.pool import PooledReward, RewardPool, RewardSpec
 from rlx.rewards.safe import RewardOutcome, score_group_safely, score_safely
 
-POOLED_BUILTINS = frozenset({"math_verify"})  # built-ins whose library can run for minutes
+# rlx's own string matching, which never evaluates the text it reads; every other scorer (reasoning-gym's
+# scorers eval or sympy-parse some answers, math_verify can run for minutes, user code and user patterns)
+# runs in the killable reward pool
+IN_PROCESS_BUILTINS = frozenset({"exact_match", "multiple_choice", "format", "environment"})
 
 
 def load_custom_reward(spec: str, key: str = "reward.name") -> RewardFn:
@@ -38,12 +41,13 @@ def build_judge_parser(spec: str) -> JudgeParser:
 def build_reward(name: str, extract: str, format_pattern: str | None = None) -> RewardFn:
     """A built-in reward by name, or `package.module:function` (called as fn(completion, label, metadata)).
 
-    Rewards that may misbehave come back as a `PooledReward`, which the Reward role runs in its
-    process pool: custom functions, math_verify, and format with a user pattern (rlx.rewards.pool).
+    Every reward but rlx's own string matching comes back as a `PooledReward`, which `score_safely`
+    runs in a process pool: custom functions, reasoning_gym, math_verify, and format with a user
+    pattern (rlx.rewards.pool). Model text reaches them, and some evaluate it.
     """
     fn = build_reward_fn(name, extract, format_pattern)
     user_pattern = name == "format" and format_pattern not in (None, DEFAULT_FORMAT)
-    if ":" in name or name in POOLED_BUILTINS or user_pattern:
+    if name not in IN_PROCESS_BUILTINS or user_pattern:
         return PooledReward(RewardSpec(name, extract, format_pattern, tuple(sys.path)), fn)
     return fn
 

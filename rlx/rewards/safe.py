@@ -4,8 +4,10 @@ Rewards may be plain functions or `async def`. A `PooledReward` given a `pool` r
 pool's processes (see rlx.rewards.pool: user code goes there), which kill a call past its deadline
 (`reward.timeout_s`). Any other function runs in this process on a thread of its own with the
 deadline: a hung one cannot be killed from Python, so its daemon thread is abandoned and the
-samples fail with a timeout (a hung coroutine is cancelled). Only trusted built-ins take that path
-in a run.
+samples fail with a timeout (a hung coroutine is cancelled). Only rlx's own string matching takes
+that path in a run. A sample whose rollout failed (`metadata.rollout_error`: media that would not
+decode) fails without being scored. A failure's message is cut to MAX_ERROR_CHARS: it is the
+reward code's text, and it goes on the bus and into the log.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 from rlx.rewards.pool import PooledReward, RewardFailure, RewardPool
 
 log = logging.getLogger(__name__)
+MAX_ERROR_CHARS = 2000
+ROLLOUT_ERROR = "rollout_error"  # metadata key: {"kind": ..., "error": ...} of a sample the rollout failed
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,19 @@ class RewardOutcome:
     @property
     def failed(self) -> bool:
         return self.error is not None
+
+
+def bounded(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text` cut to `limit` characters, saying how long it was (an exception's message can be megabytes)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars in all)"
+
+
+def rollout_failure(metadata: dict[str, Any]) -> RewardOutcome | None:
+    """The failed outcome of a sample whose rollout failed, which no reward scores; None otherwise."""
+    failed = metadata.get(ROLLOUT_ERROR)
+    if not isinstance(failed, dict):
+        return None
+    return RewardOutcome(0.0, bounded(f"the rollout failed: {failed.get('error')}"), str(failed.get("kind")))
 
 
 def _shown(value: Any) -> str:
@@ -92,7 +109,7 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float | No
         if isinstance(box["error"], asyncio.TimeoutError):
             raise TimeoutError(f"no result within reward.timeout_s={timeout_s}s")
         if not isinstance(box["error"], Exception):  # sys.exit() in a reward fails its sample, not the run
-            raise RewardFailure(f"{type(box['error']).__name__}: {box['error']}")
+            raise RewardFailure(bounded(f"{type(box['error']).__name__}: {box['error']}"))
         raise box["error"]
     return box["value"]
 
@@ -105,9 +122,9 @@ def _invoke(fn: Callable[..., Any], args: tuple, timeout_s: float | None, pool: 
 
 def _failure(exc: Exception) -> RewardOutcome:
     if isinstance(exc, RewardFailure):
-        error, kind = str(exc), exc.kind
+        error, kind = bounded(str(exc)), exc.kind
     else:
-        error, kind = f"{type(exc).__name__}: {exc}", "timeout" if isinstance(exc, TimeoutError) else "error"
+        error, kind = bounded(f"{type(exc).__name__}: {exc}"), "timeout" if isinstance(exc, TimeoutError) else "error"
     log.warning("reward function failed: %s", error)
     return RewardOutcome(0.0, error, kind)
 
@@ -115,6 +132,8 @@ def _failure(exc: Exception) -> RewardOutcome:
 def score_safely(fn: Callable[..., Any], completion: str, label: str, metadata: dict[str, Any],
                  timeout_s: float | None = None, pool: RewardPool | None = None) -> RewardOutcome:
     """One response: fn(completion, label, metadata) -> a finite number."""
+    if (failed := rollout_failure(metadata)) is not None:
+        return failed
     try:
         value = _invoke(fn, (completion, label, metadata), timeout_s, pool)
     except Exception as exc:  # noqa: BLE001 - a user reward may raise anything; the sample fails, the run goes on
@@ -128,6 +147,8 @@ def score_safely(fn: Callable[..., Any], completion: str, label: str, metadata: 
 def score_group_safely(fn: Callable[..., Any], completions: list[str], label: str, metadata: dict[str, Any],
                        timeout_s: float | None = None, pool: RewardPool | None = None) -> list[RewardOutcome]:
     """A whole group: fn(completions, label, metadata) -> one finite number per completion."""
+    if (failed := rollout_failure(metadata)) is not None:
+        return [failed] * len(completions)
     try:
         values = _invoke(fn, (completions, label, metadata), timeout_s, pool)
     except Exception as exc:  # noqa: BLE001 - a user reward may raise anything; the group fails, the run goes on

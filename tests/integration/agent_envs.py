@@ -79,6 +79,13 @@ class Exits(ScriptedTool):
         os._exit(3)
 
 
+class SysExits(ScriptedTool):
+    """Fault injection: the first step raises SystemExit (not an Exception) in the rollout's process."""
+
+    def step(self, action: str) -> EnvStep:
+        raise SystemExit(4)
+
+
 class Garbage(ScriptedTool):
     """Fault injection: the first step returns what cannot cross a process boundary (a function)."""
 

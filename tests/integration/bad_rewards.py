@@ -23,12 +23,17 @@ def _raise() -> float:
     raise RuntimeError("the grader is broken")
 
 
+def _raise_huge() -> float:
+    raise RuntimeError("x" * 10_000_000)  # a 10 MB message
+
+
 FAULTS: dict[str, Callable[[], Any]] = {
     "gil_regex": _catastrophic_regex,
     "sys_exit": lambda: sys.exit(3),
     "os_exit": lambda: os._exit(7),
     "huge_int": lambda: 10**400,
     "raises": _raise,
+    "raises_huge": _raise_huge,
 }
 
 

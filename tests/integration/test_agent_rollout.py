@@ -127,6 +127,13 @@ def test_an_environment_that_raises_ends_only_its_trajectory(tiny):
     assert any(s.finish_reason == "env_error" for s in samples)
 
 
+def test_an_environment_step_that_raises_system_exit_ends_only_its_trajectory(tiny):
+    samples = _play(_rollout(tiny, environment="SysExits"), tiny[1])
+    failed = [s for s in samples if s.finish_reason == "env_error"]
+    assert len(samples) == 6 and failed
+    assert all(s.metadata["env_error"] == "SystemExit: 4" for s in failed)
+
+
 def test_tools_of_different_trajectories_run_while_other_turns_decode(tiny):
     """A step is called when a policy turn finished decoding: one starting while another trajectory's
     tool runs means that turn decoded while the other trajectory waited out of the batch."""

@@ -219,7 +219,7 @@ def test_custom_reward_errors(custom_module):
 
 
 @pytest.mark.parametrize("name,pattern,pooled", [
-    ("exact_match", None, False), ("reasoning_gym", None, False), ("multiple_choice", None, False),
+    ("exact_match", None, False), ("reasoning_gym", None, True), ("multiple_choice", None, False),
     ("format", None, False), ("format", r"\d+", True), ("math_verify", None, True),
     (f"{__name__}:length_reward", None, True),
 ])

@@ -1,0 +1,124 @@
+"""Every scorer that reads model text runs in the killable reward pool, never in the caller's process
+(review security-2026-12-05 N1, N4, N16): reasoning-gym's scorers `eval` or sympy-parse some answers,
+so an answer can be code. The route is by reward name, so one task per reasoning-gym family shows it;
+the countdown and n_queens answers below are code that would create a directory if it ran here."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from rlx.agents.environments import FeedbackEnvironment
+from rlx.data.rows import PromptRow
+from rlx.data.sample import Sample
+from rlx.rewards import PooledReward, RewardPool, build_reward
+from rlx.rewards.builtin import _gym_scorer
+from rlx.rewards.pool import RewardFailure
+from rlx.rewards.safe import MAX_ERROR_CHARS, score_safely
+from rlx.roles import Reward
+
+TIMEOUT_S = 1.0
+SLACK_S = 4.0  # the killed worker's replacement starts (and imports rlx) within the measured call
+# one task of each reasoning-gym family (its package under reasoning_gym/); composite only mixes these
+FAMILIES = {"algebra": "polynomial_multiplication", "algorithmic": "binary_matrix", "arc": "arc_1d",
+            "arithmetic": "basic_arithmetic", "code": "bf", "cognition": "color_cube_rotation",
+            "games": "countdown", "geometry": "advanced_geometry", "graphs": "course_schedule",
+            "induction": "acre", "logic": "aiw", "probability": "coin_flip"}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(max_workers=1) as shared:
+        yield shared
+
+
+def _entry(task: str) -> dict:
+    import reasoning_gym
+
+    return next(iter(reasoning_gym.create_dataset(task, size=1, seed=0)))
+
+
+def _scored(pool: RewardPool, task: str, answer: str, timeout_s: float = 60.0) -> Sample:
+    """`answer` in answer tags, scored by the run's Reward role, which never builds the scorer here."""
+    entry = _entry(task)
+    reward = Reward(build_reward("reasoning_gym", "answer_tag"), timeout_s=timeout_s, pool=pool)
+    sample = Sample(uid=0, group_id=0, response_text=f"<answer>{answer}</answer>", label=str(entry["answer"]),
+                    metadata=entry["metadata"])
+    _gym_scorer.cache_clear()
+    reward.score([sample])
+    assert _gym_scorer.cache_info().currsize == 0, "the reasoning-gym scorer was built in this process"
+    assert pool.pids(), "no pool worker scored it"
+    return sample
+
+
+def test_every_reasoning_gym_family_has_a_task_here():
+    import reasoning_gym.factory
+
+    families = {cls.__module__.split(".")[1] for cls, _ in reasoning_gym.factory.DATASETS.values()}
+    assert families - {"composite"} == set(FAMILIES)
+
+
+@pytest.mark.parametrize("task", FAMILIES.values(), ids=FAMILIES.keys())
+def test_each_reasoning_gym_family_is_scored_in_a_pool_process(pool, task):
+    assert isinstance(build_reward("reasoning_gym", "answer_tag"), PooledReward)
+    sample = _scored(pool, task, str(_entry(task)["answer"]))
+    assert (sample.reward, sample.reward_error) == (1.0, None)
+
+
+@pytest.mark.parametrize("task", ["countdown", "n_queens"])
+def test_an_answer_that_is_code_creates_nothing(pool, tmp_path, task):
+    target = tmp_path / "made-by-the-answer"
+    sample = _scored(pool, task, f"__import__('os').mkdir({str(target)!r}) or 1")
+    assert sample.reward < 1.0
+    assert not target.exists(), "the answer ran as code with access to the host's files"
+
+
+def test_a_scorer_that_hangs_on_a_huge_expression_is_stopped_at_the_deadline(tmp_path):
+    with RewardPool(max_workers=1) as own:  # its worker is killed: the shared one stays warm
+        _scored(own, "countdown", "1")  # warm: started, scorer built
+        start = time.monotonic()
+        sample = _scored(own, "countdown", "10**10**9", timeout_s=TIMEOUT_S)
+        took = time.monotonic() - start
+    assert sample.reward == 0.0 and f"reward.timeout_s={TIMEOUT_S}" in sample.reward_error
+    assert took < TIMEOUT_S + SLACK_S
+
+
+def test_a_huge_failure_message_becomes_a_short_reward_error(pool):
+    reward = build_reward("tests.integration.bad_rewards:misbehaves", "none")
+    outcome = score_safely(reward, "x", "y", {"fault": "raises_huge"}, 30, pool)
+    assert outcome.failed and outcome.kind == "error"
+    assert "RuntimeError: xxxx" in outcome.error and len(outcome.error) < MAX_ERROR_CHARS + 100
+
+
+def _feedback(pool: RewardPool) -> FeedbackEnvironment:
+    env = FeedbackEnvironment(build_reward("tests.integration.bad_rewards:misbehaves", "none"), timeout_s=TIMEOUT_S,
+                              pool=pool)
+    return env
+
+
+@pytest.mark.parametrize("fault,error", [("sys_exit", "SystemExit: 3"),
+                                         ("gil_regex", f"reward.timeout_s={TIMEOUT_S}")])
+def test_the_feedback_environment_scores_in_the_pool_with_the_deadline(pool, fault, error):
+    env = _feedback(pool)
+    env.reset(PromptRow("q", "42"))
+    assert env.step("it is 42").reward == 1.0
+    env.reset(PromptRow("q", "42", metadata={"fault": fault}))
+    start = time.monotonic()
+    with pytest.raises(RewardFailure, match=error):  # the rollout ends this trajectory with env_error
+        env.step("it is 42")
+    assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+
+
+def test_the_feedback_environment_of_a_run_gets_the_pool_and_the_deadline(tmp_path: Path):
+    from rlx.agents.setup import environment_factory
+    from rlx.config import build_config
+
+    config = build_config({"model": {"path": "tiny-char"}, "data": {"source": "reasoning_gym", "task": "chain_sum"},
+                           "reward": {"name": "reasoning_gym", "timeout_s": 7.0},
+                           "rollout": {"agent": {"environment": "feedback"}},
+                           "logging": {"run_dir": str(tmp_path)}})
+    env = environment_factory(config, None)()
+    assert isinstance(env, FeedbackEnvironment) and isinstance(env.pool, RewardPool) and env.timeout_s == 7.0
+    env.pool.close()
