@@ -155,10 +155,10 @@ TRL_CASES = [
 ]
 
 
-def _grpo_vs_trl(eps: float, seed: int) -> tuple[Tensors, Tensors]:
+def _grpo_vs_trl(eps: float, seed: int, norm_std: bool = True) -> tuple[Tensors, Tensors]:
     b = batch(seed)
-    ours = ADVANTAGE_ESTIMATORS.get("grpo")(b.rewards, b.group_ids, eps=eps)
-    return {"advantages": ours}, {"advantages": ref.trl_group_advantages(b.rewards, b.group_ids)}
+    ours = ADVANTAGE_ESTIMATORS.get("grpo")(b.rewards, b.group_ids, norm_std=norm_std, eps=eps)
+    return {"advantages": ours}, {"advantages": ref.trl_group_advantages(b.rewards, b.group_ids, norm_std)}
 
 
 TRL_ADVANTAGE_CASES = [
@@ -166,6 +166,8 @@ TRL_ADVANTAGE_CASES = [
          partial(_grpo_vs_trl, 1e-4)),
     Case("GRPO advantages, rlx's default epsilon", "TRL 1.16 `scale_rewards=\"group\"`", "defaults (`std_eps=1e-6`)",
          partial(_grpo_vs_trl, 1e-6), "convention"),
+    Case("Dr.GRPO advantages", "TRL 1.16 `scale_rewards=\"none\"` (its formula)", "`norm_std=false`",
+         partial(_grpo_vs_trl, 1e-6, norm_std=False)),
 ]
 
 # ----------------------------------------------------------------------------------------------- verl

@@ -74,13 +74,14 @@ def trl_token_truncate_ratio(old_logprobs: torch.Tensor, sampling_logprobs: torc
     return torch.exp((old_logprobs - sampling_logprobs) * mask).clamp(max=clip_max)
 
 
-def trl_group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def trl_group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale: bool = True) -> torch.Tensor:
     """TRL's `scale_rewards="group"` advantages (`_generate_and_score_completions`): reward minus the
-    group mean, over TRL's `nanstd` (Bessel) of the group plus 1e-4."""
+    group mean, over TRL's `nanstd` (Bessel) of the group plus 1e-4; `scale=False`: "none"."""
     out = torch.empty_like(rewards)
     for group in torch.unique(group_ids):
         members = group_ids == group
-        out[members] = (rewards[members] - rewards[members].mean()) / (nanstd(rewards[members]) + 1e-4)
+        centred = rewards[members] - rewards[members].mean()
+        out[members] = centred / (nanstd(rewards[members]) + 1e-4) if scale else centred
     return out
 
 
