@@ -200,19 +200,25 @@ def exportable(name: str) -> bool:
 
 
 def export_checkpoint(source: Path, out: Path) -> list[str]:
-    """Copy the allowlisted top-level files of checkpoint `source` into `out`; returns their names."""
+    """Copy the allowlisted top-level files of checkpoint `source` into `out`; returns their names. A
+    link whose target lies outside the checkpoint is refused (the target could be anyone's file)."""
     if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
         raise CheckpointError(f"export target {out} is inside the checkpoint {source}: choose a folder outside it")
     if (source / "trainer_state.json").exists() and read_marker(source) is None:
         raise CheckpointError(f"{source} is not a complete checkpoint (no {MARKER}): a save cut short, or the old "
                               "format (`rlx convert-run <run_dir>` converts it); export another checkpoint")
     names = sorted(p.name for p in source.iterdir() if p.is_file() and exportable(p.name))
+    for name in names:  # a link out of the checkpoint (tokenizer.json -> ~/.ssh/id_rsa) must not be published
+        target = (source / name).resolve()
+        if (source / name).is_symlink() and source.resolve() not in target.parents:
+            raise CheckpointError(f"{source / name} is a link to {target}, outside the checkpoint: rlx exports only "
+                                  "files inside it; replace the link by the file itself if you mean to publish it")
     sharded = is_sharded(source)
     if not sharded and not any(fnmatch.fnmatchcase(n, "model*.safetensors") for n in names):
         raise CheckpointError(f"{source} has no model*.safetensors: it is not a checkpoint folder")
     out.mkdir(parents=True, exist_ok=True)
     for name in names:
-        shutil.copy2(source / name, out / name)
+        shutil.copy2((source / name).resolve(), out / name)
     if sharded:  # a rank group's checkpoint: the ranks' slices joined into whole tensors
         from safetensors.torch import save_file
 

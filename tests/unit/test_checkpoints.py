@@ -181,6 +181,24 @@ def test_export_copies_only_the_allowlist(engines, tmp_path):
         export_checkpoint(checkpoint, tmp_path / "hf2")
 
 
+def test_export_never_follows_a_link_out_of_the_checkpoint(engines, tmp_path):
+    actor, _ = engines
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000001"
+    with staged_checkpoint(checkpoint) as staging:
+        actor.write_checkpoint(staging, {})
+    secret = tmp_path / "id_rsa"
+    secret.write_text("SECRET-KEY")
+    (checkpoint / "tokenizer.json").unlink()
+    (checkpoint / "tokenizer.json").symlink_to(secret)  # someone else's checkpoint, made to leak your key
+    with pytest.raises(CheckpointError, match=r"tokenizer.json is a link to .*id_rsa, outside the checkpoint"):
+        export_checkpoint(checkpoint, tmp_path / "hf")
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+    (checkpoint / "tokenizer.json").unlink()  # a link inside the checkpoint is its own file: exported as a file
+    (checkpoint / "tokenizer.json").symlink_to(checkpoint / "tokenizer_config.json")
+    assert "tokenizer.json" in export_checkpoint(checkpoint, tmp_path / "hf")
+    assert not (tmp_path / "hf" / "tokenizer.json").is_symlink()
+
+
 def test_convert_run_turns_old_checkpoints_into_data_files(engines, tmp_path):
     """An old run: the Actor's checkpoint with a pickled run state, the async Critic's own."""
     actor, critic = engines
