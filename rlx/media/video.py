@@ -89,6 +89,9 @@ def _frames_at(container: av.container.InputContainer, stream: av.video.VideoStr
     import av
 
     stream.thread_type = "AUTO"
+    # FFmpeg itself refuses a frame over the limit, before allocating it: a stream whose resolution grows
+    # past its header's would otherwise get up to FFmpeg's own limit (~268 Mpixel) per frame per thread
+    stream.codec_context.options = {"max_pixels": str(limits.max_pixels)}
     most_decoded = math.ceil((seconds + 1) * MAX_SOURCE_FPS)
     frames: list[np.ndarray] = []
     shown: av.VideoFrame | None = None
@@ -109,6 +112,10 @@ def _frames_at(container: av.container.InputContainer, stream: av.video.VideoStr
             if len(frames) == len(times):
                 break
             shown = frame
+    except MemoryError:  # av's ENOMEM: max_pixels above (or a real shortage)
+        raise DataError(f"{where}: {what} has a frame past data.media_limits.max_pixels={limits.max_pixels} "
+                        "beyond what its header states (FFmpeg refused to decode it); raise "
+                        "data.media_limits.max_pixels or re-encode the video at one size") from None
     except av.FFmpegError as exc:
         raise corrupt(where, what, exc) from None
     if shown is None:

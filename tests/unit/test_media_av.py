@@ -193,6 +193,37 @@ def test_video_limits_name_the_row_and_the_field(tmp_path, limits):
         outside.unlink()
 
 
+def _growing_mp4(small: tuple[int, int], large: tuple[int, int]) -> bytes:
+    """An mp4 whose header (and first 10 frames) say `small` (w, h), then 10 frames of `large` in-band."""
+    packets = []
+    for width, height in (small, large):
+        coder = av.CodecContext.create("mpeg4", "w")
+        coder.width, coder.height, coder.pix_fmt, coder.time_base = width, height, "yuv420p", Fraction(1, 10)
+        for index in range(10):
+            frame = av.VideoFrame.from_ndarray(np.full((height, width, 3), 128, np.uint8), format="rgb24")
+            frame.pts = index
+            packets += coder.encode(frame.reformat(format="yuv420p"))
+        packets += coder.encode(None)
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = *small, "yuv420p"
+        for index, packet in enumerate(packets):
+            packet.stream, packet.pts, packet.dts, packet.duration = stream, index, index, 1
+            packet.time_base = Fraction(1, 10)
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def test_a_video_whose_frames_outgrow_its_header_is_refused_by_the_decoder(limits):
+    data = _growing_mp4((64, 48), (1280, 960))
+    small = MediaLimits(root=limits.root, max_pixels=64 * 48, max_frames=20)
+    with pytest.raises(DataError, match=r"^v: inline video has a frame past data\.media_limits\.max_pixels=3072 "
+                                        r"beyond what its header states \(FFmpeg refused to decode it\)"):
+        load_video(_video(data), small, "v", VideoSampling(fps=10, max_frames=20))
+    assert len(load_video(_video(data), limits, "v", VideoSampling(fps=10, max_frames=20)).frames) == 20
+
+
 def test_a_frame_array_is_taken_as_already_sampled(limits):
     frames = np.stack([_bars(i) for i in range(5)])
     loaded = load_video(MediaItem("video", array=frames), limits, "r", VideoSampling(fps=4.0))
