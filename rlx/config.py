@@ -512,7 +512,9 @@ class TrainConfig(Section):
                                   "gets replaced (async mode)")
     heartbeat_timeout_s: float = Field(15.0, gt=0, description="a replica silent this long is dead: its work "
                                        "is recovered (async mode; replicas beat every second)")
-    max_restarts_per_role: int = Field(3, ge=0, description="replacements of one role before the run stops")
+    max_restarts_per_role: int = Field(3, ge=0, description="replacements of one role (a replica lost, hung or "
+                                       "whose worker raised; the Actor and Critic from their newest checkpoint) "
+                                       "before the run stops")
     max_restarts: int = Field(10, ge=0, description="replacements of all roles together before the run stops")
     seed: int = 0
 
@@ -820,7 +822,8 @@ def lost_actor_cost(c: RunConfig) -> str:
                 "initial weights and rolls back every step done so far (their samples are counted in "
                 "samples_rolled_back, never trained again), and a crashed run resumes from step 0; set "
                 "train.checkpoint_every to bound the loss")
-    return (f"train.checkpoint_every={every}: a lost Actor or a crashed run redoes at most {every - 1} steps "
+    steps = f"{every - 1} step{'' if every == 2 else 's'}"
+    return (f"train.checkpoint_every={every}: a lost Actor or a crashed run redoes at most {steps} "
             f"(up to {(every - 1) * rows} samples rolled back)")
 
 

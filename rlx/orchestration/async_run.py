@@ -289,7 +289,7 @@ class AsyncRun:
                     raise
                 for r in recoveries:
                     restart = "restarts from the last checkpoint" if r.scope == "global" else "is replaced"
-                    message = (f"recovered {r.role}: replica {r.replica} is gone and {restart}; {r.rows_released} "
+                    message = (f"recovered {r.role}: replica {r.replica} ({r.cause}) is gone and {restart}; {r.rows_released} "
                                f"rows back on the bus, {r.groups_requeued} prompt groups handed out again")
                     self.echo(message)
                     self.alerts.notify("recovery", message)

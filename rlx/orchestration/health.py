@@ -52,6 +52,7 @@ class Recovery:
     replacement_weight_version: int | None = None  # what the new replica generated with at its first beat
     others_serving: int = 0  # replicas of the same role that were up before the death and still beat
     role_down_s: float | None = None  # the role's own gap: 0 if another replica served on, else replaced_after_s
+    cause: str = ""  # why it counts as dead: silent, or its worker failed (the error)
 
 
 class HealthManager:
@@ -138,7 +139,7 @@ class HealthManager:
         recovery = Recovery(role, replica, released, requeued,
                             None if injected is None else time.monotonic() - injected, died_at=died_at,
                             scope="global" if role in self.stateful else "in place", weights_at_death=weights_now,
-                            others_serving=others)
+                            others_serving=others, cause=cause)
         self.recoveries = [*self.recoveries, recovery]
         return recovery
 

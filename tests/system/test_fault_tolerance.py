@@ -1,17 +1,40 @@
 """Fault injection in async mode: killed and hung stateless roles are replaced, their unfinished
 work goes back to the bus or the prompt source, and no sample is lost or trained twice.
 
-The faults are injected on purpose (`faults` in the config): a replica's process exits, or its
-worker loop blocks without a heartbeat. Everything else is the real run."""
+The faults are injected on purpose (`faults` in the config): a replica's process exits, its
+worker loop blocks without a heartbeat, or its worker loop raises (an out-of-memory error).
+Everything else is the real run."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from pathlib import Path
 
 from rlx.config import FaultConfig
 from rlx.obs.metrics import read_metrics
 from rlx.orchestration.async_run import run_async
+from rlx.orchestration.faults import INJECTED_ERROR
+from rlx.orchestration.run_dir import latest_checkpoint
+from rlx.run_state import load_run_state
 from tests.integration.test_colocate_loop import toy_config
+
+
+def short_groups(run_dir: Path, n: int) -> dict[int, int]:
+    """Every prompt group of the run, per group, from the final checkpoint: samples the trainer
+    counted (`samples_per_group`, carried across recoveries and resumes) plus rows still on the bus
+    untrained. Asserts no group got more than `n` (nothing trained twice) and returns the groups
+    that got fewer, with how many they lack, leaving out those still being generated at the end
+    (the prompt source's unfinished ones). Nothing lost: empty, or, after a global recovery of the
+    Actor, exactly the samples of the rolled-back steps."""
+    state = load_run_state(latest_checkpoint(run_dir))
+    trained, bus = state["samples_per_group"], state["bus"]
+    waiting = Counter(group for _, group, _, _, consumed in bus["rows"] if "train" not in consumed)
+    made = (set(bus["rows_per_group"]) | set(trained)) - set(state["prompts"]["unfinished"])
+    assert made, "no group was made"
+    have = {g: trained.get(g, 0) + waiting[g] for g in made}
+    assert max(have.values()) <= n, {g: c for g, c in have.items() if c > n}
+    return {g: n - c for g, c in sorted(have.items()) if c < n}
 
 
 def paced_async_config(tiny_path, tmp_path, **overrides):
@@ -42,10 +65,15 @@ def test_killed_and_hung_roles_recover_and_nothing_is_lost(tiny_path, tmp_path):
                      FaultConfig(role="actor_fwd", at_step=4, kind="kill"),
                      FaultConfig(role="dcs", at_step=4, kind="kill"),  # the weight coordinator
                      FaultConfig(role="dcs", at_step=6, kind="hang")]
-    run_dir = run_async(config, echo=print)
+    said: list[str] = []
+    run_dir = run_async(config, echo=lambda line: (said.append(line), print(line)))
+    # no periodic checkpoint: the run's start says what a lost Actor would cost
+    assert any(line.startswith("recovery: train.checkpoint_every=0: no checkpoint before the last step")
+               for line in said), said
 
     steps = [r for r in read_metrics(run_dir) if "trained_samples" in r]
     assert [r["step"] for r in steps] == list(range(1, 10))  # the run completed
+    assert short_groups(run_dir, config.rollout.n) == {}  # every group whole: nothing lost, nothing twice
     assert steps[-1]["total_samples_duplicated"] == 0  # no sample reached the trainer twice
     for r in steps:  # every row of every step is accounted for: trained or filtered with a reason
         assert r["trained_samples"] + sum(v for k, v in r.items() if k.startswith("filtered_")) == 16
@@ -86,13 +114,18 @@ def recovered_globally(run_dir, role: str) -> tuple[dict, list[dict]]:
 def test_a_lost_critic_and_a_lost_actor_restart_from_their_own_checkpoints(tiny_path, tmp_path):
     """Global recovery of both stateful roles in one PPO run. The Critic (the value model's optimizer)
     is killed first: its replacement loads the Critic's newest checkpoint, not the initial value
-    model, and takes back the rows the dead one held. Then the Actor: its replacement loads the
+    model, and takes back the rows the dead one held. Then the Actor's worker raises an
+    out-of-memory error (injected): that counts as a lost Actor, so its replacement loads the
     newest checkpoint, every engine rolls back to those weights, and the run redoes the lost step
     with the samples already on the bus (those within max_staleness) and new ones. The run
-    completes with nothing trained twice."""
+    completes with nothing trained twice, and the only samples missing are the rolled-back ones."""
     config = paced_async_config(tiny_path, tmp_path, algorithm__advantage="gae", train__checkpoint_every=2)
-    config.faults = [FaultConfig(role="critic", at_step=4, kind="kill"), FaultConfig(role="actor", at_step=7, kind="kill")]
-    run_dir = run_async(config, echo=print)
+    config.faults = [FaultConfig(role="critic", at_step=4, kind="kill"),
+                     FaultConfig(role="actor", at_step=7, kind="raise")]
+    said: list[str] = []
+    run_dir = run_async(config, echo=lambda line: (said.append(line), print(line)))
+    assert "recovery: train.checkpoint_every=2: a lost Actor or a crashed run redoes at most 1 step (up to 16 " \
+           "samples rolled back)" in said
 
     _, records = recovered_globally(run_dir, "critic")
     critic_steps = [int(r["critic_step"]) for r in records if "critic_step" in r]
@@ -107,3 +140,7 @@ def test_a_lost_critic_and_a_lost_actor_restart_from_their_own_checkpoints(tiny_
     assert health["samples_rolled_back"] == (lost - restored) * 16
     steps = [r["step"] for r in records]
     assert steps[-6:] == list(range(7, 13)), steps  # the new trainer reported steps 7 to 12
+    assert any(f"its worker failed: RuntimeError: {INJECTED_ERROR}" in line for line in said), said
+    # the groups the lost step trained are never trained again: exactly its rows are missing
+    short = short_groups(run_dir, config.rollout.n)
+    assert sum(short.values()) == health["samples_rolled_back"], short
