@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,8 +23,8 @@ def format_line(step: int, metrics: dict[str, Any]) -> str:
     parts = [f"step {step}"]
     for key in CONSOLE_KEYS:
         value = metrics.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            parts.append(f"{key}={value:.4g}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # nan and inf shown: they are news
+            parts.append(f"{key}={value:.4g}" if math.isfinite(value) else f"{key}={value}")
     return " ".join(parts)
 
 
@@ -42,8 +43,10 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **metrics}
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        with self.path.open("a+b") as handle:
+            if handle.tell() and (handle.seek(-1, 2), handle.read(1))[1] != b"\n":  # a line torn by a crash
+                handle.write(b"\n")  # stays a line of its own, not the start of this record's
+            handle.write((json.dumps(record) + "\n").encode())
         for sink in self.sinks:
             sink.write(record)
         self.echo(format_line(step, metrics))
@@ -53,7 +56,24 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every record of metrics.jsonl, in order. A line that is not a whole record (a write cut short by
+    a full disk or a kill) is skipped with a warning, so a plot at the end of a run still draws."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, torn = [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            torn.append(number)
+    if torn:
+        logging.getLogger(__name__).warning("%s: skipped line(s) %s, not whole records (a write cut short?)",
+                                            path, ", ".join(map(str, torn)))
+    return records
