@@ -11,7 +11,10 @@ self_destruct_s), a reply ("ok", value) or ("error", message).
 from __future__ import annotations
 
 import contextlib
+import inspect
+import json
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any, Generic, Self, TypeVar
 
 STOP_TIMEOUT_S = 5.0
+CONFINED_TMP_MB = 256  # a confined child's private /tmp (RAM)
 _RLX_ROOT = str(Path(__file__).resolve().parents[1])  # so `python -m rlx...` works from a source tree too
 
 
@@ -54,15 +58,23 @@ def self_destruct_after(timeout_s: float | None) -> float | None:
 
 class ChildProcess:
     """One child process running `module` and the parent's end of its socket pair. `label` names it
-    in errors ("the reward process ...")."""
+    in errors ("the reward process ..."). `confined`: isolate it once as it starts (`confinement`: no
+    network, the interpreter and the import path read-only, a private /tmp, no tokens in its
+    environment, unprivileged) before it imports anything."""
 
-    def __init__(self, module: str, label: str) -> None:
+    def __init__(self, module: str, label: str, confined: bool = False) -> None:
         self.label = label
         ours, theirs = socket.socketpair()
         path = os.pathsep.join(filter(None, [_RLX_ROOT, os.environ.get("PYTHONPATH")]))
+        argv = [sys.executable, "-m", module, str(theirs.fileno())]
         env = {**os.environ, "PYTHONPATH": path}
-        self.proc = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+        if confined:
+            imports = [_RLX_ROOT, os.getcwd(), *path.split(os.pathsep), *filter(os.path.isabs, sys.path)]
+            spec = {**confinement([*interpreter_paths(sys.executable), *imports], CONFINED_TMP_MB, pid=False),
+                    "cwd": os.getcwd(), "fd": theirs.fileno(), "env": {**confined_env(), "PYTHONPATH": path}}
+            argv = [sys.executable, "-I", "-S", "-c", CONFINE_SOURCE + "_confined_exec()\n", json.dumps(spec),
+                    "--", *argv]
+        self.proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
                                      start_new_session=True)  # its own process group: see `kill`
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -229,3 +241,174 @@ def serve_requests(conn: Connection, handle: Callable[[str, Any], Any]) -> None:
             conn.send(reply)
         except Exception as exc:  # noqa: BLE001 - the value would not pickle
             conn.send(("error", f"the value returned is a {type(reply[1]).__name__}, which cannot be sent back: {exc}"))
+
+
+# --- Confinement: one primitive for the python tool's sandbox and the reward pool's workers ----------
+# `_unshare`, `_enter` and `_build_root` use only the standard library and nothing else of this module:
+# their source also runs in a bare `python -I -S -c` launcher (CONFINE_SOURCE, and the python tool's).
+
+CONFINE_USER = "nobody"  # a root host runs confined code as this user
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
+                 "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/passwd", "/etc/group",
+                 "/etc/nsswitch.conf", "/etc/alternatives", "/etc/ssl")
+_ENV_KEPT = ("PATH", "LANG", "TZ", "PYTHONHASHSEED", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
+             "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def interpreter_paths(python: str) -> list[str]:
+    """What an interpreter needs to start: its prefix (a venv) and its base installation, with their
+    site-packages; never the rest of the import path (editable installs, the working directory)."""
+    paths = {os.path.dirname(os.path.dirname(os.path.abspath(python))),
+             os.path.dirname(os.path.dirname(os.path.realpath(python)))}
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        import site
+
+        paths |= {sys.prefix, sys.base_prefix, *site.getsitepackages()}
+    return sorted(path for path in paths if os.path.isdir(path))
+
+
+def confinement(binds: list[str], tmp_mb: int, pid: bool, workdir: str | None = None,
+                user: str = CONFINE_USER) -> dict:
+    """The spec `_enter` and `_build_root` take: what stays visible (read-only), the private /tmp's
+    size, whether to add a PID namespace, and, on a root host, the unprivileged `user` to become."""
+    ids = None
+    if os.geteuid() == 0:
+        entry = pwd.getpwnam(user)
+        ids = [entry.pw_uid, entry.pw_gid]
+    return {"binds": sorted({*_SYSTEM_PATHS, *binds}), "tmp_bytes": tmp_mb << 20, "pid": pid, "user": ids,
+            "workdir": workdir}
+
+
+def _unshare(flags: int) -> None:
+    """unshare(2) `flags`; with CLONE_NEWUSER, map our own uid and gid (all an unprivileged user may map)."""
+    import ctypes
+    import os
+
+    uid, gid = os.getuid(), os.getgid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(flags) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"unshare({flags:#x}) was refused: {os.strerror(errno)}")
+    if flags & 0x10000000:  # CLONE_NEWUSER
+        for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as out:
+                out.write(text)
+
+
+def _enter(spec: dict) -> None:
+    """New mount and network namespaces (a PID one too with spec["pid"]: the next child is its init),
+    inside a user namespace of our own when not root; first, mark this tree for the OOM killer."""
+    import os
+
+    with open("/proc/self/oom_score_adj", "w") as out:
+        out.write("1000")
+    flags = 0x00020000 | 0x40000000  # CLONE_NEWNS | CLONE_NEWNET (loopback down: nothing to connect to)
+    _unshare(flags | (0x20000000 if spec["pid"] else 0) | (0x10000000 if os.getuid() else 0))
+
+
+def _build_root(spec: dict) -> None:
+    """Replace this mount namespace's root with a tmpfs that holds only the system directories and
+    spec["binds"], each read-only; /dev's harmless nodes; a fresh, size-capped /tmp (also /var/tmp and
+    /dev/shm); /proc of our PID namespace when there is one. Nothing else of the host is there."""
+    import ctypes
+    import os
+    import platform
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    nosuid, nodev, noexec, ms_bind, ms_rec, ms_private = 2, 4, 8, 4096, 16384, 1 << 18
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+    def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+        def encode(text: str | None) -> bytes | None:
+            return None if text is None else text.encode()
+        check(libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)),
+              f"mounting {target}")
+
+    def seal(path: str, recursive: bool) -> None:  # mount_setattr(2): read-only, nosuid, nodev
+        attr = (ctypes.c_uint64 * 4)(1 | 2 | 4, 0, 0, 0)
+        check(libc.syscall(ctypes.c_long(442), ctypes.c_long(-100), path.encode(),
+                           ctypes.c_long(0x8000 if recursive else 0), attr, ctypes.c_long(32)),
+              f"making {path} read-only")
+
+    os.umask(0o022)
+    mount("none", "/", None, ms_rec | ms_private)  # nothing mounted here reaches the host
+    kept: list[str] = []
+    for path in spec["binds"]:  # sorted: a parent comes before what it holds
+        if os.path.lexists(path) and not any(path.startswith(parent + "/") for parent in kept):
+            kept.append(path)
+    links = {path: os.readlink(path) for path in kept if os.path.islink(path)}
+    handles = {path: os.open(path, os.O_PATH) for path in kept if path not in links}  # before /tmp is covered
+    devices = {name: os.open(f"/dev/{name}", os.O_PATH) for name in ("null", "zero", "full", "random", "urandom")}
+    new = "/tmp"  # exists everywhere and is replaced anyway: the new root's mount point
+    mount("tmpfs", new, "tmpfs", nosuid | nodev, "size=1m,mode=0755")
+    os.mkdir(new + "/tmp")  # the private /tmp first: what is bound below it (an interpreter) stays on top
+    mount("tmpfs", new + "/tmp", "tmpfs", nosuid | nodev, f"size={spec['tmp_bytes']},mode=1777")
+    for path, target in links.items():
+        os.makedirs(os.path.dirname(new + path), exist_ok=True)
+        os.symlink(target, new + path)
+    for group, prefix, entries in (("bind", "", handles), ("dev", "/dev/", devices)):
+        for path, handle in entries.items():
+            target = new + prefix + path
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if os.path.isdir(f"/proc/self/fd/{handle}"):
+                os.makedirs(target, exist_ok=True)
+            else:
+                open(target, "w").close()
+            mount(f"/proc/self/fd/{handle}", target, None, ms_bind | ms_rec)
+            os.close(handle)
+            if group == "bind":
+                seal(target, recursive=True)
+    for name, target in (("dev/fd", "/proc/self/fd"), ("dev/stdin", "/proc/self/fd/0"),
+                         ("dev/stdout", "/proc/self/fd/1"), ("dev/stderr", "/proc/self/fd/2"),
+                         ("dev/shm", "/tmp"), ("var/tmp", "/tmp")):
+        os.makedirs(os.path.dirname(f"{new}/{name}"), exist_ok=True)
+        os.symlink(target, f"{new}/{name}")
+    os.makedirs(new + "/proc", exist_ok=True)
+    if spec["pid"]:  # while the host's /proc is still here: an unprivileged proc mount needs one in view
+        mount("proc", new + "/proc", "proc", nosuid | nodev | noexec)
+    os.chdir(new)
+    check(libc.syscall(ctypes.c_long({"x86_64": 155, "aarch64": 41}[platform.machine()]), b".", b"."), "pivot_root")
+    check(libc.umount2(b".", ctypes.c_int(2)), "detaching the host's root")  # MNT_DETACH
+    os.chdir("/")
+    if spec["workdir"]:
+        owner = spec["user"] or [os.getuid(), os.getgid()]
+        os.makedirs(spec["workdir"], mode=0o700)
+        os.chown(spec["workdir"], *owner)
+    seal("/", recursive=False)
+
+
+def _confined_exec() -> None:  # pragma: no cover - runs as `python -I -S -c`, see CONFINE_SOURCE
+    """Confine this process once (`_enter`, `_build_root`, the unprivileged user on a root host), then
+    become the command after `--`. A failure goes to the parent on the socket `spec["fd"]`."""
+    import json
+    import os
+    import sys
+
+    spec, argv = json.loads(sys.argv[1]), sys.argv[3:]
+    try:
+        _enter(spec)
+        _build_root(spec)
+        os.chdir(spec["cwd"] if os.path.isdir(spec["cwd"]) else "/tmp")
+        if spec["user"]:
+            os.setgroups([])
+            os.setgid(spec["user"][1])
+            os.setuid(spec["user"][0])
+        env = {**spec["env"], "HOME": "/tmp", "TMPDIR": "/tmp"}
+    except OSError as exc:
+        from multiprocessing.connection import Connection
+
+        Connection(spec["fd"]).send(("error", f"the process could not be isolated: {exc}"))
+        os._exit(126)
+    os.execve(argv[0], argv, env)
+
+
+CONFINE_SOURCE = "".join(inspect.getsource(fn) + "\n" for fn in (_unshare, _enter, _build_root, _confined_exec))
+
+
+def confined_env() -> dict[str, str]:
+    """The environment a confined process gets: locale, path and offline switches; never a token."""
+    return {key: value for key, value in os.environ.items() if key in _ENV_KEPT or key.startswith("LC_")}

@@ -69,7 +69,7 @@ class AgentAppRunner:
         check_app(app)
         self.server, self.timeout_s = server, timeout_s
         self.spec = RewardSpec(app, "none", None, tuple(sys.path))  # the pool builds `app` from this spec
-        self.pool = pool or RewardPool(max_workers)
+        self.pool = pool or RewardPool(max_workers, confined=False)  # the app must reach the server
         self._owns_pool = pool is None
         self.failures: Counter[str] = Counter()
         self._lock = threading.Lock()  # episodes finish on many threads

@@ -32,7 +32,7 @@ class AgentAppRollout(ConcurrentRollout):
         check_app(app)
         self.app, self.timeout_s = app, timeout_s
         self.chat = ChatTokens(tokenizer)
-        self.pool = RewardPool(concurrency)  # app processes stay warm from one `generate` to the next
+        self.pool = RewardPool(concurrency, confined=False)  # warm from one `generate` to the next; reaches the server
         self._runner: AgentAppRunner | None = None
 
     @contextlib.contextmanager

@@ -1,36 +1,38 @@
-"""The `python` tool: runs the model's code in a separate, limited process.
+"""The `python` tool: runs the model's code in a confined, limited process, or refuses to start.
 
-Each call gets a fresh process and an empty temporary working directory (removed afterwards).
-What is enforced, how, and where:
-- wall clock (`timeout_s`): the host kills every process the code started at the deadline. Always.
-- CPU time (`cpu_s`): RLIMIT_CPU, SIGXCPU at the limit and SIGKILL a second later. Always.
-- memory (`memory_mb`, per process): RLIMIT_AS; allocations past it fail (MemoryError). Always.
-- file size (`max_file_mb`): RLIMIT_FSIZE; writes past it fail ("File too large"). Always.
-- open files (`max_open_files`): RLIMIT_NOFILE. Always.
-- processes (`max_processes`): RLIMIT_NPROC, which root ignores: as root the code runs as `user`
-  (nobody); otherwise as the current user, with the limit counted above the processes it has.
-- no leftover processes: the launcher is a child subreaper, so orphans stay in the tree that the
-  host kills when the code's process ends; with a PID namespace (where `unshare(CLONE_NEWPID)` is
-  allowed, i.e. as root) they also die with the namespace's init, setsid or not.
-- no network: a new network namespace, loopback down, so connecting anywhere (127.0.0.1 included)
-  fails. Where `unshare(CLONE_NEWNET)` is allowed (root).
-- disk (`disk_mb`): a new mount namespace with a size-capped tmpfs on /tmp, /var/tmp, /dev/shm and
-  the working directory, a /proc showing only the sandbox's processes, and directories others may
-  not enter (e.g. /root) hidden except for the path to the interpreter. Where `unshare(CLONE_NEWNS)`
-  and mounting are allowed (root); elsewhere only the per-file limit holds.
-- privileges: PR_SET_NO_NEW_PRIVS (setuid binaries gain nothing). Always.
+Each call gets a fresh process tree, confined by rlx.isolation's primitive (the one the reward pool
+uses), plus per-call limits:
+- no network: a new network namespace with loopback down, so connecting anywhere (127.0.0.1
+  included) fails.
+- nothing of the host to see: a new mount namespace whose root holds only the system directories
+  (/usr, /lib, a few /etc files) and the interpreter's prefix and site-packages, read-only; a fresh
+  tmpfs of `disk_mb` on /tmp (also /var/tmp, /dev/shm; even when the interpreter lives under /tmp);
+  /proc of its own PID namespace. The dataset and its labels, the working directory and checkout,
+  editable installs, other sys.path entries, tokens and Ray's session directory are absent.
+- not root: on a root host the code runs as `user` (nobody); otherwise the namespaces are made in an
+  unprivileged user namespace of our own, and the code runs as the host's user, without capabilities.
+- wall clock (`timeout_s`): the host kills every process the code started at the deadline.
+- CPU time (`cpu_s`): RLIMIT_CPU, SIGXCPU at the limit and SIGKILL a second later.
+- memory (`memory_mb`): RLIMIT_AS per process, and the init's watchdog over the resident memory of
+  all the code's processes together (every 20 ms): past it, the whole tree is killed. The OOM killer
+  takes the sandbox first (oom_score_adj 1000).
+- processes (`max_processes`): RLIMIT_NPROC in a user namespace of the call's own, so it counts only
+  this call's processes; no leftover processes: the PID namespace dies with its init, and the
+  launcher is a child subreaper the host kills at the end.
+- file size (`max_file_mb`), open files (`max_open_files`): RLIMIT_FSIZE, RLIMIT_NOFILE.
+- privileges: PR_SET_NO_NEW_PRIVS (setuid binaries gain nothing).
+- an honest report: the code's exit status travels on a pipe held only by the launcher, outside the
+  code's PID namespace, and the init, both not dumpable: the code cannot open their /proc/<pid>/fd.
 
-Not enforced: the code can read whatever its user can read on the host (no chroot) and, without a
-mount namespace, write where that user can. As root, RLIMIT_NPROC counts every process of `user`,
-so concurrent sandboxes share `max_processes`: a fork bomb in one can make another's fork fail
-until it is killed at its deadline. `sandbox_capabilities()` reports which of these this platform
-grants (tests skip, with the reason, what it lacks); a run logs once what it could not enforce.
+Fails closed: where the kernel refuses the namespaces (no unprivileged user namespaces), building the
+tool raises a ConfigError unless `rollout.agent.tools[i].options.allow_unsandboxed: true`; with it,
+the code runs with the limits only, as the host's user, seeing and reaching what that user can.
 
 How: the host starts a small launcher (`python -I -S`, stdlib only, as the host's user) which
-enters the namespaces and forks an init; the init mounts, forks the code's process and reports on
-a private pipe how it ended. The code's process sets the limits, drops privileges and execs
-`python -I -u -c <code>`. A nonzero exit or a kill is an "error" outcome, a timeout a "timeout";
-the model reads the output with the exit code or signal either way.
+enters the namespaces and forks an init (pid 1 of the new PID namespace); the init builds the new
+root, forks the code's process and reports to the launcher how it ended. The code's process sets the
+limits, drops privileges and execs `python -I -u -c <code>`. A nonzero exit or a kill is an "error"
+outcome, a timeout a "timeout"; the model reads the output with the exit code or signal either way.
 """
 
 from __future__ import annotations
@@ -51,17 +53,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
 from rlx.agents.tools import TOOLS, Tool, ToolError, ToolTimeout
 from rlx.errors import ConfigError
+from rlx.isolation import CONFINE_SOURCE, confinement, interpreter_paths
 
 log = logging.getLogger(__name__)
 
 CAPTURE_BYTES = 64 * 1024  # kept from each end of the output; the ToolBox truncates further
+STATUS_BYTES = 4096  # the launcher's report is one short line; more is not a report
+SWITCH = "rollout.agent.tools[i].options.allow_unsandboxed"
 _EXPLAINED = {signal.SIGXCPU: "the CPU time limit", signal.SIGKILL: "past the CPU limit, or out of memory",
               signal.SIGSEGV: "a segmentation fault (often a stack overflow)"}
 
@@ -70,25 +75,22 @@ _EXPLAINED = {signal.SIGXCPU: "the CPU time limit", signal.SIGKILL: "past the CP
 class SandboxLimits:
     timeout_s: float = 10.0  # wall clock
     cpu_s: float | None = None  # CPU seconds; None: the wall-clock limit rounded up
-    memory_mb: int = 1024  # address space
+    memory_mb: int = 1024  # each process's address space, and all the code's processes' resident memory
     max_file_mb: int = 16
     max_open_files: int = 64
-    max_processes: int = 64
-    disk_mb: int = 64  # each private tmpfs, where a mount namespace is granted
+    max_processes: int = 8
+    disk_mb: int = 64  # the private /tmp (RAM)
     user: str = "nobody"  # the unprivileged user the code runs as when the host is root
     python: str = sys.executable
     max_code_bytes: int = 100_000  # the code travels as one argv string (Linux caps those at 128 KiB)
+    allow_unsandboxed: bool = False  # where the namespaces are refused: run with the limits only
 
 
 @dataclass(frozen=True)
 class SandboxCapabilities:
-    network_namespace: bool
-    pid_namespace: bool
-    mount_namespace: bool
+    isolated: bool  # network, mount, PID and (off root) user namespaces granted
     unprivileged_user: bool  # the code does not run as root
-
-    def missing(self) -> list[str]:
-        return [name for name, granted in vars(self).items() if not granted]
+    why: str | None = None  # what the kernel refused, when not isolated
 
 
 @dataclass
@@ -97,16 +99,20 @@ class SandboxRun:
     exit_code: int | None = None
     signal: int | None = None
     timed_out: bool = False
+    memory_mb: int | None = None  # the tree's resident memory when the watchdog killed it
     setup_error: str | None = None
-    applied: dict[str, bool] = field(default_factory=dict)  # isolation that took effect
+    applied: dict[str, Any] = dataclasses.field(default_factory=dict)  # the isolation that took effect
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
+        return self.exit_code == 0 and not self.timed_out and self.memory_mb is None
 
     def observation(self, limits: SandboxLimits) -> str:
         if self.timed_out:
             status = f"[stopped at the wall-clock limit of {limits.timeout_s:g} s; its processes were killed]"
+        elif self.memory_mb is not None:
+            status = (f"[stopped: its processes held {self.memory_mb} MB together, past the limit of "
+                      f"{limits.memory_mb} MB; they were killed]")
         elif self.signal is not None:
             name = signal.strsignal(self.signal) or f"signal {self.signal}"
             because = f": {_EXPLAINED[self.signal]}" if self.signal in _EXPLAINED else ""
@@ -133,6 +139,8 @@ class PythonTool(Tool):
     grace_s = 5.0  # to kill and reap the process tree after the sandbox's own deadline
 
     def __init__(self, **limits: Any) -> None:
+        if not isinstance(limits.get("allow_unsandboxed", False), bool):
+            raise ConfigError(f"{SWITCH} must be true or false, not {limits['allow_unsandboxed']!r}")
         self.limits = SandboxLimits(**limits)  # an unknown option is a TypeError, which build_tool reports
         self.timeout_s = self.limits.timeout_s
         if not os.access(self.limits.python, os.X_OK):
@@ -144,6 +152,17 @@ class PythonTool(Tool):
             except KeyError:
                 raise ConfigError(f"rollout.agent.tools: python tool option user={self.limits.user!r} is not a "
                                   "user here; give an unprivileged user the code can run as") from None
+        try:
+            capabilities = sandbox_capabilities(self.limits.python, self.limits.user)
+        except RuntimeError as error:
+            raise ConfigError(f"rollout.agent.tools: the python tool cannot start here: {error}") from None
+        if not capabilities.isolated:
+            if not self.limits.allow_unsandboxed:
+                raise ConfigError(
+                    f"rollout.agent.tools: the python tool cannot be sandboxed here ({capabilities.why}): its code "
+                    "would run as this user with the network and this user's files. Allow user namespaces (e.g. "
+                    f"sysctl kernel.unprivileged_userns_clone=1), or set {SWITCH}: true to run it unsandboxed")
+            log.warning("python tool: running model code UNSANDBOXED (%s: true): %s", SWITCH, capabilities.why)
 
     def run(self, arguments: dict) -> str:
         """Exit code 0 is an "ok" observation; a failing or killed program is an "error" one (the
@@ -167,13 +186,13 @@ def run_sandboxed(code: str, limits: SandboxLimits) -> SandboxRun:
         raise ToolError(f"Error: the code is {size} bytes; the limit is {limits.max_code_bytes}.")
     if "\0" in code:
         raise ToolError("Error: the code contains a NUL character.")
-    workdir = tempfile.mkdtemp(prefix="rlx-sandbox-")
+    workdir = tempfile.mkdtemp(prefix="rlx-sandbox-")  # the code's: on the host only when not isolated
     status_read, status_write = os.pipe()
     try:
         spec = _launch_spec(limits, workdir, status_write)
         proc = subprocess.Popen(
             [limits.python, "-I", "-S", "-c", _LAUNCHER_SOURCE, json.dumps(spec), code],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=workdir,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd="/",
             env={"PATH": "/usr/bin:/bin"}, start_new_session=True, pass_fds=(status_write,))
         os.close(status_write)
         status_write = -1
@@ -187,31 +206,19 @@ def run_sandboxed(code: str, limits: SandboxLimits) -> SandboxRun:
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
-    _warn_once(tuple(sorted(k for k, granted in run.applied.items() if not granted)))
     return run
 
 
 def _launch_spec(limits: SandboxLimits, workdir: str, status_fd: int) -> dict:
     cpu_s = limits.cpu_s if limits.cpu_s is not None else limits.timeout_s
-    spec = {"workdir": workdir, "status_fd": status_fd, "python": limits.python, "uid": None, "gid": None,
-            "needed": _interpreter_paths(limits.python), "cpu_s": max(1, math.ceil(cpu_s)),
-            "memory": limits.memory_mb << 20, "file": limits.max_file_mb << 20,
-            "files": limits.max_open_files, "processes": limits.max_processes, "disk": limits.disk_mb << 20}
-    if os.geteuid() == 0:
-        user = pwd.getpwnam(limits.user)
-        spec["uid"], spec["gid"] = user.pw_uid, user.pw_gid
-        os.chown(workdir, user.pw_uid, user.pw_gid)  # used as is where no private tmpfs replaces it
-    return spec
-
-
-def _interpreter_paths(python: str) -> list[str]:
-    """What the code's interpreter reads: its binary and, for this interpreter, its prefixes and
-    import path (a venv, editable installs)."""
-    binary = os.path.realpath(python)
-    paths = {binary, os.path.dirname(os.path.dirname(binary))}
-    if binary == os.path.realpath(sys.executable):
-        paths |= {sys.prefix, sys.base_prefix, *(entry for entry in sys.path if os.path.isabs(entry))}
-    return sorted(path for path in paths if os.path.exists(path))
+    confine = confinement(interpreter_paths(limits.python), limits.disk_mb, pid=True, workdir=workdir,
+                          user=limits.user)
+    if confine["user"] is not None:
+        os.chown(workdir, *confine["user"])  # used as is where the namespaces are refused
+    return {"status_fd": status_fd, "python": limits.python, "confine": confine,
+            "allow_unsandboxed": limits.allow_unsandboxed, "cpu_s": max(1, math.ceil(cpu_s)),
+            "memory": limits.memory_mb << 20, "file": limits.max_file_mb << 20, "files": limits.max_open_files,
+            "processes": limits.max_processes}
 
 
 class _Capture:
@@ -243,7 +250,7 @@ def _supervise(proc: subprocess.Popen, status_fd: int, timeout_s: float) -> Sand
     for fd in (output_fd, status_fd):
         poller.register(fd, select.POLLIN)
     open_fds, status = {output_fd, status_fd}, {}
-    while open_fds and not {"exit", "signal", "error"} & status.keys():
+    while open_fds and not {"exit", "signal", "error", "memory"} & status.keys():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             run.timed_out = True
@@ -254,7 +261,7 @@ def _supervise(proc: subprocess.Popen, status_fd: int, timeout_s: float) -> Sand
                 poller.unregister(fd)
                 open_fds.discard(fd)
             elif fd == status_fd:
-                status_text += chunk
+                status_text = (status_text + chunk)[:STATUS_BYTES]
                 status = _parse_status(status_text)
             else:
                 capture.add(chunk)
@@ -264,25 +271,28 @@ def _supervise(proc: subprocess.Popen, status_fd: int, timeout_s: float) -> Sand
         if not chunk:
             break
         capture.add(chunk)
-    status = _parse_status(status_text + _read_rest(status_fd))
+    status = _parse_status((status_text + _read_rest(status_fd))[:STATUS_BYTES])
     run.output, run.applied = capture.text(), status.get("applied", {})
     run.exit_code, run.signal, run.setup_error = status.get("exit"), status.get("signal"), status.get("error")
-    if run.exit_code is None and run.signal is None and run.setup_error is None and not run.timed_out:
+    run.memory_mb = status.get("memory")
+    if not ({"exit", "signal", "error", "memory"} & status.keys() or run.timed_out):
         run.setup_error = f"the launcher ended with status {proc.returncode} without a report"
     return run
 
 
 def _parse_status(text: bytes) -> dict:
     status: dict = {}
-    for line in text.decode().split("\n")[:-1]:  # complete lines only
-        status.update(json.loads(line))
+    for line in text.decode(errors="replace").split("\n")[:-1]:  # complete lines only
+        with contextlib.suppress(ValueError):
+            fields = json.loads(line)
+            status.update(fields if isinstance(fields, dict) else {})
     return status
 
 
 def _read_rest(fd: int) -> bytes:
     os.set_blocking(fd, False)
     try:
-        return os.read(fd, 65536)
+        return os.read(fd, STATUS_BYTES)
     except BlockingIOError:
         return b""
 
@@ -319,29 +329,23 @@ def _alive(process: psutil.Process) -> bool:
 
 
 @functools.cache
-def _warn_once(missing: tuple[str, ...]) -> None:
-    if missing:
-        log.warning("python tool sandbox: this platform did not grant %s; rlx.agents.sandbox says what that "
-                    "leaves unenforced", ", ".join(missing))
-
-
-@functools.cache
-def sandbox_capabilities(python: str = sys.executable) -> SandboxCapabilities:
+def sandbox_capabilities(python: str = sys.executable, user: str = "nobody") -> SandboxCapabilities:
     """What isolation this platform grants the sandbox, found by running `pass` in it once."""
-    run = run_sandboxed("pass", SandboxLimits(timeout_s=30.0, python=python))
+    run = run_sandboxed("pass", SandboxLimits(timeout_s=30.0, python=python, user=user, allow_unsandboxed=True))
     if run.setup_error is not None or not run.ok:
         raise RuntimeError(f"the python sandbox does not start here: {run.setup_error or run.output}")
-    return SandboxCapabilities(**{name: bool(run.applied.get(key)) for name, key in (
-        ("network_namespace", "network"), ("pid_namespace", "pid"), ("mount_namespace", "mount"),
-        ("unprivileged_user", "user"))})
+    return SandboxCapabilities(bool(run.applied.get("isolated")), bool(run.applied.get("user")),
+                               run.applied.get("why"))
 
 
 def _launcher() -> None:  # pragma: no cover - runs as `python -I -S -c`, see _LAUNCHER_SOURCE
     """Three processes: this launcher (a child subreaper, so nothing the code starts can leave the
-    tree the host kills) enters the namespaces and forks an init (pid 1 of the new PID namespace
-    where granted: when it exits, the kernel kills everything left in it), which mounts, forks the
-    code's process and reports how that ended. The code is not pid 1 itself because pid 1 ignores
-    default-action signals such as SIGXCPU."""
+    tree the host kills; the only holder of the status pipe) enters the namespaces and forks an init
+    (pid 1 of the new PID namespace: when it exits, the kernel kills everything left in it), which
+    builds the new root, forks the code's process, watches the tree's memory and tells the launcher
+    how the code ended. The code is not pid 1 itself because pid 1 ignores default-action signals
+    such as SIGXCPU. Neither the launcher nor the init is dumpable, so the code cannot reopen their
+    pipes through /proc/<pid>/fd."""
     import ctypes
     import json
     import os
@@ -350,79 +354,58 @@ def _launcher() -> None:  # pragma: no cover - runs as `python -I -S -c`, see _L
     import sys
 
     spec, code = json.loads(sys.argv[1]), sys.argv[2]
+    confine, status_fd = spec["confine"], spec["status_fd"]
     libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig, pr_set_child_subreaper, pr_set_no_new_privs = 1, 36, 38
-    nosuid_nodev, ms_noexec, ms_bind, ms_rec, ms_private = 2 | 4, 8, 4096, 16384, 1 << 18
+    pr_set_pdeathsig, pr_set_dumpable, pr_set_child_subreaper, pr_set_no_new_privs = 1, 4, 36, 38
+    os.set_inheritable(status_fd, False)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)  # die with the host thread that started us
+    libc.prctl(pr_set_child_subreaper, 1)
 
-    def report(**fields: object) -> None:
-        os.write(spec["status_fd"], (json.dumps(fields) + "\n").encode())
+    def report(fd: int, **fields: object) -> None:
+        os.write(fd, (json.dumps(fields) + "\n").encode())
+
+    try:
+        _enter(confine)  # noqa: F821 - defined by CONFINE_SOURCE, above this function in the script
+        isolated, why = True, None
+    except OSError as exc:
+        if not spec["allow_unsandboxed"]:
+            report(status_fd, error=f"the sandbox could not isolate the code: {exc}")
+            os._exit(127)
+        isolated, why = False, str(exc)
+    libc.prctl(pr_set_dumpable, 0)  # after _enter wrote /proc/self; inherited by the init, not past the code's exec
+    result_read, result_write = os.pipe()
+    init = os.fork()
+    if init:  # the launcher: forward the init's report, then reap whatever is left below us
+        os.close(result_write)
+        text = b""
+        while len(text) < 4096 and (chunk := os.read(result_read, 4096)):
+            text += chunk
+        fields: dict = {}
+        for line in text.decode(errors="replace").split("\n")[:-1]:
+            fields.update(json.loads(line))
+        user = confine["user"] is not None or os.getuid() != 0
+        report(status_fd, applied={"isolated": isolated, "why": why, "user": user}, **fields)
+        while True:
+            try:
+                os.wait()
+            except ChildProcessError:
+                return
 
     def fail(exc: BaseException) -> None:
         hint = ""
-        if isinstance(exc, PermissionError) and spec["uid"] is not None:
-            hint = (f" (the code runs as uid {spec['uid']}, which may not reach {spec['python']}: set the "
+        if isinstance(exc, PermissionError) and confine["user"] is not None:
+            hint = (f" (the code runs as uid {confine['user'][0]}, which may not reach {spec['python']}: set the "
                     "python tool's option `python` to an interpreter that user can run)")
-        report(error=f"{type(exc).__name__}: {exc}{hint}")
+        report(result_write, error=f"{type(exc).__name__}: {exc}{hint}")
         os._exit(127)
 
-    def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> bool:
-        encode = (lambda text: text.encode() if text is not None else None)
-        return libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags),
-                          encode(data)) == 0
+    def limit(which: int, soft: int, hard: int) -> None:
+        ceiling = resource.getrlimit(which)[1]
+        if ceiling != resource.RLIM_INFINITY:
+            soft, hard = min(soft, ceiling), min(hard, ceiling)
+        resource.setrlimit(which, (soft, hard))
 
-    def reveal(paths: list[str]) -> bool:
-        """Make `paths` reachable for an unprivileged user: a directory on the way that others may
-        not enter (e.g. /root holding a pyenv) is covered by a tmpfs holding only bind mounts of the
-        entries on the way, so the rest of it stays hidden."""
-        for _ in range(8):
-            blocked: dict[str, set[str]] = {}
-            for path in paths:
-                parts = path.strip("/").split("/")
-                for depth, name in enumerate(parts):
-                    directory = "/" + "/".join(parts[:depth])
-                    if not os.stat(directory).st_mode & 0o001:
-                        blocked.setdefault(directory, set()).add(name)
-                        break
-            if not blocked:
-                return True
-            for directory, names in blocked.items():
-                handles = {name: os.open(os.path.join(directory, name), os.O_PATH) for name in names}
-                if not mount("tmpfs", directory, "tmpfs", nosuid_nodev, "size=1m,mode=0755"):
-                    return False
-                for name, handle in handles.items():
-                    target, source = os.path.join(directory, name), f"/proc/self/fd/{handle}"
-                    if os.path.isdir(source):
-                        os.mkdir(target)
-                    else:
-                        open(target, "w").close()
-                    if not mount(source, target, None, ms_bind | ms_rec, None):
-                        return False
-                    os.close(handle)
-        return False
-
-    def private_mounts(workdir: str, uid: int, gid: int) -> bool:
-        if not mount("none", "/", None, ms_rec | ms_private, None):  # nothing we mount reaches the host
-            return False
-        if uid != 0 and not reveal(spec["needed"]):
-            return False
-        size = spec["disk"]
-        for shared in ("/tmp", "/var/tmp", "/dev/shm"):
-            if not os.path.isdir(shared) or any(path.startswith(shared + "/") for path in spec["needed"]):
-                continue  # covering it would hide the interpreter
-            if not mount("tmpfs", shared, "tmpfs", nosuid_nodev, f"size={size},mode=1777"):
-                return False
-        if os.path.isdir(workdir):  # not under a directory just replaced: give it its own tmpfs
-            owned = f"size={size},mode=0700,uid={uid},gid={gid}"
-            if not mount("tmpfs", workdir, "tmpfs", nosuid_nodev, owned):
-                return False
-        else:
-            os.makedirs(workdir, mode=0o700)
-            os.chown(workdir, uid, gid)
-        if applied["pid"]:
-            mount("proc", "/proc", "proc", nosuid_nodev | ms_noexec, None)
-        return True
-
-    def own_processes(uid: int) -> int:
+    def own_processes(uid: int) -> int:  # not isolated: RLIMIT_NPROC counts every process of the user
         count = 0
         for entry in os.listdir("/proc"):
             try:
@@ -431,70 +414,72 @@ def _launcher() -> None:  # pragma: no cover - runs as `python -I -S -c`, see _L
                 pass
         return count
 
-    def limit(which: int, soft: int, hard: int) -> None:
-        ceiling = resource.getrlimit(which)[1]
-        if ceiling != resource.RLIM_INFINITY:
-            soft, hard = min(soft, ceiling), min(hard, ceiling)
-        resource.setrlimit(which, (soft, hard))
-
-    def exec_code(uid: int | None, gid: int | None) -> None:
-        processes = spec["processes"] + (own_processes(os.getuid()) if uid is None else 0)
+    def exec_code() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         for which, soft, hard in ((resource.RLIMIT_CPU, spec["cpu_s"], spec["cpu_s"] + 1),
                                   (resource.RLIMIT_AS, spec["memory"], spec["memory"]),
                                   (resource.RLIMIT_FSIZE, spec["file"], spec["file"]),
                                   (resource.RLIMIT_NOFILE, spec["files"], spec["files"]),
-                                  (resource.RLIMIT_NPROC, processes, processes),
                                   (resource.RLIMIT_CORE, 0, 0)):
             limit(which, soft, hard)
-        if uid is not None:
+        if confine["user"] is not None:
             os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-        applied["user"] = os.getuid() != 0
+            os.setgid(confine["user"][1])
+            os.setuid(confine["user"][0])
+        libc.prctl(pr_set_dumpable, 1)  # it is about to run the code anyway; /proc/self/uid_map needs it
+        if isolated:
+            _unshare(0x10000000)  # noqa: F821 - a user namespace of this call's own: RLIMIT_NPROC counts only it
+        processes = spec["processes"] + (0 if isolated else own_processes(os.getuid()))
+        limit(resource.RLIMIT_NPROC, processes, processes)
         libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0)
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)  # fork and the change of uid cleared it
-        report(applied=applied)
-        workdir = spec["workdir"]
+        workdir = confine["workdir"]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         os.execve(spec["python"], [spec["python"], "-I", "-u", "-c", code], env)
 
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)  # die with the host thread that started us
-    libc.prctl(pr_set_child_subreaper, 1)
-    applied = {"network": libc.unshare(0x40000000) == 0,  # CLONE_NEWNET
-               "mount": libc.unshare(0x00020000) == 0,  # CLONE_NEWNS
-               "pid": libc.unshare(0x20000000) == 0}  # CLONE_NEWPID: the next child is its init
-    if os.fork():
-        while True:  # reap the init and whatever the host kills below us, then leave
-            try:
-                os.wait()
-            except ChildProcessError:
-                return
+    def tree_memory() -> int:
+        """The resident bytes of every process in our PID namespace but this init."""
+        total, page = 0, os.sysconf("SC_PAGE_SIZE")
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and entry != "1":
+                try:
+                    with open(f"/proc/{entry}/statm") as statm:
+                        total += int(statm.read().split()[1]) * page
+                except (OSError, IndexError, ValueError):  # ended meanwhile
+                    pass
+        return total
+
     try:  # the init
+        os.close(status_fd)
+        os.close(result_read)
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-        os.set_inheritable(spec["status_fd"], False)  # the code must not write fake reports
-        uid, gid = spec["uid"], spec["gid"]
-        if applied["mount"]:
-            applied["mount"] = private_mounts(spec["workdir"], os.getuid() if uid is None else uid,
-                                              os.getgid() if gid is None else gid)
-        os.chdir(spec["workdir"])
+        if isolated:
+            _build_root(confine)  # noqa: F821 - defined by CONFINE_SOURCE
+        os.chdir(confine["workdir"])
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # woken by sigtimedwait below
         code_pid = os.fork()
     except BaseException as exc:  # noqa: BLE001 - reported to the host, whatever it is
         fail(exc)
     if code_pid == 0:
         try:
-            exec_code(uid, gid)
+            exec_code()
         except BaseException as exc:  # noqa: BLE001 - reported to the host, whatever it is
             fail(exc)
     while True:  # as pid 1 the init also reaps the code's orphans, which would count against RLIMIT_NPROC
-        pid, wait_status = os.wait()
+        pid, wait_status = os.waitpid(-1, os.WNOHANG)
         if pid == code_pid:
             break
+        if pid == 0:
+            if isolated and (used := tree_memory()) > spec["memory"]:
+                report(result_write, memory=used >> 20)
+                os._exit(0)  # the kernel kills the rest of our PID namespace
+            signal.sigtimedwait({signal.SIGCHLD}, 0.02)
     if os.WIFSIGNALED(wait_status):
-        report(signal=os.WTERMSIG(wait_status))
+        report(result_write, signal=os.WTERMSIG(wait_status))
     else:
-        report(exit=os.WEXITSTATUS(wait_status))
+        report(result_write, exit=os.WEXITSTATUS(wait_status))
     os._exit(0)
 
 
-_LAUNCHER_SOURCE = inspect.getsource(_launcher) + "\n_launcher()\n"
+_LAUNCHER_SOURCE = CONFINE_SOURCE + inspect.getsource(_launcher) + "\n_launcher()\n"

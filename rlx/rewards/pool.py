@@ -11,11 +11,15 @@ What runs where:
 Workers are plain `python -m rlx.rewards.pool_process` subprocesses (not multiprocessing), so they
 never re-import the parent's `__main__` (a Ray worker, pytest), and each talks over its own socket
 pair. They start on demand, stay warm between calls, and each keeps the rewards it has built.
+Each is confined once, as it starts (rlx.isolation): no network, the interpreter and the import path
+read-only and nothing else of the host, a private /tmp, no token in its environment, and not root.
+That is a fault boundary against the model's text, not a wall against a hostile user's own code.
 The pool itself starts no threads.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,16 +59,18 @@ class PooledReward:
 class _Worker(ChildProcess):
     """One pool process, and the rewards it has built."""
 
-    def __init__(self) -> None:
-        super().__init__("rlx.rewards.pool_process", "reward")
+    def __init__(self, confined: bool = True) -> None:
+        super().__init__("rlx.rewards.pool_process", "reward", confined)
         self.loaded: set[RewardSpec] = set()
 
 
 class RewardPool(ProcessPool[_Worker]):
-    """Up to `max_workers` warm reward processes; `call` runs one reward call with a deadline."""
+    """Up to `max_workers` warm reward processes; `call` runs one reward call with a deadline.
+    `confined` (the default): each process is isolated once as it starts (rlx.isolation.confinement),
+    so a call costs nothing more; False only for code that must reach the network (agent apps)."""
 
-    def __init__(self, max_workers: int = 8, start_timeout_s: float = START_TIMEOUT_S) -> None:
-        super().__init__(_Worker, max_workers, "reward")
+    def __init__(self, max_workers: int = 8, start_timeout_s: float = START_TIMEOUT_S, confined: bool = True) -> None:
+        super().__init__(functools.partial(_Worker, confined), max_workers, "reward")
         self.start_timeout_s = start_timeout_s
 
     def call(self, spec: RewardSpec, args: tuple, timeout_s: float | None,

@@ -4,10 +4,16 @@ and leaves no thread or process behind. One warm pool serves the module (startin
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import psutil
 import pytest
@@ -18,6 +24,7 @@ from rlx.rewards.pool import _Worker
 from rlx.roles import Reward
 
 BAD = "tests.integration.bad_rewards"
+ESCAPING = "tests.integration.escaping_rewards"
 TIMEOUT_S = 1.0
 SLACK_S = 2.0  # a killed worker's replacement boots within the measured call
 
@@ -102,17 +109,29 @@ def test_workers_stay_warm_and_a_timed_out_one_is_replaced(pool, others):
     _assert_only_pool_children(pool, others)
 
 
-def test_a_killed_reward_takes_the_programs_it_started_with_it(pool, tmp_path):
-    pid_file = tmp_path / "child.pid"
-    reward = Reward(build_reward(f"{BAD}:starts_a_program_and_hangs", "none"), timeout_s=3.0, pool=pool)
-    [sample] = reward.score([Sample(uid=0, group_id=0, response_text="x", label="x",
-                                    metadata={"pid_file": str(pid_file)})])
+def test_a_killed_reward_takes_the_programs_it_started_with_it(pool):
+    """The program is found by a marker in its command line (a confined reward cannot write a pid
+    file where this test could read it)."""
+    marker = f"rlx-reward-program-{uuid.uuid4().hex}"
+    reward = Reward(build_reward(f"{ESCAPING}:starts_a_marked_program_and_hangs", "none"), timeout_s=3.0, pool=pool)
+    sample = Sample(uid=0, group_id=0, response_text="x", label="x", metadata={"marker": marker})
+    with ThreadPoolExecutor(1) as scoring:
+        scored = scoring.submit(reward.score, [sample])
+        deadline = time.monotonic() + 30
+        while not _marked(marker):
+            assert time.monotonic() < deadline, "the reward's program never started"
+            time.sleep(0.05)
+        [sample] = scored.result()
     assert "reward.timeout_s" in sample.reward_error
-    child = int(pid_file.read_text())
     deadline = time.monotonic() + 5
-    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+    while _marked(marker):
         assert time.monotonic() < deadline, "the reward's own program outlived the killed reward"
         time.sleep(0.1)
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline", "status"])
+            if marker in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
 def test_a_pool_process_ends_itself_after_its_deadline():
@@ -149,3 +168,44 @@ def test_a_backtracking_format_pattern_times_out_in_the_pool(pool, others):
     assert samples[0].reward == 1.0 and samples[0].reward_error is None
     assert "reward.timeout_s" in samples[1].reward_error
     _assert_only_pool_children(pool, others)
+
+
+def _escapes(pool: RewardPool, fn: str, metadata: dict) -> Sample:
+    reward = Reward(build_reward(f"{ESCAPING}:{fn}", "none"), timeout_s=10.0, pool=pool)
+    [sample] = reward.score([Sample(uid=0, group_id=0, response_text="x", label="x", metadata=metadata)])
+    return sample
+
+
+def test_a_reward_can_write_nothing_of_the_host(pool, tmp_path):
+    """Each worker is confined once, as it starts: the host is read-only where it is visible at all
+    (the working directory, on the import path), and /tmp is the worker's own."""
+    for folder in (Path(tempfile.mkdtemp(dir=os.getcwd(), prefix=".rlx-test-")), tmp_path):
+        folder.chmod(0o777)  # the permissions allow it: only the confinement stops it
+        try:
+            sample = _escapes(pool, "writes_a_file", {"path": str(folder / "escaped.txt")})
+            assert sample.reward == 0.0 and sample.reward_error is not None
+            assert "Read-only file system" in sample.reward_error or "No such file" in sample.reward_error
+            assert list(folder.iterdir()) == []
+        finally:
+            if folder != tmp_path:
+                folder.rmdir()
+
+
+def test_a_reward_reaches_no_network(pool):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.2)
+        sample = _escapes(pool, "connects", {"port": server.getsockname()[1]})
+        with pytest.raises(TimeoutError):
+            server.accept()
+    assert "Network is unreachable" in sample.reward_error
+
+
+def test_a_reward_holds_no_token_and_is_not_root(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    monkeypatch.setenv("RLX_API_TOKEN", "secret")
+    with RewardPool(max_workers=1) as own:  # started with the tokens in this process's environment
+        for variable in ("RAY_AUTH_TOKEN", "RLX_API_TOKEN"):
+            sample = _escapes(own, "sees", {"variable": variable})
+            assert (sample.reward, sample.reward_error) == (0.0, None)

@@ -3,39 +3,36 @@ observation, nothing it started survives the call, and this process carries on.
 
 Real processes throughout. Limits are small so the file stays fast: 2 s of CPU, 2 s of wall clock
 where the test is about the wall clock (elsewhere 20 s, so a loaded machine cannot make a trivial
-program time out).
-Where the platform does not grant an isolation feature (`sandbox_capabilities()`), the test that
-needs it is skipped with the reason.
+program time out). The sandbox fails closed, so this file asserts that the platform isolates it
+(never skips), as this user and, from a root host, as an unprivileged one
+(`test_the_sandbox_holds_for_an_unprivileged_host_user`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import psutil
 import pytest
 
-from rlx.agents.sandbox import sandbox_capabilities
+from rlx.agents import sandbox
+from rlx.agents.sandbox import SWITCH, SandboxCapabilities, sandbox_capabilities
 from rlx.agents.tools import ToolBox, build_tool
 from rlx.errors import ConfigError
+from rlx.isolation import _RLX_ROOT, CONFINE_SOURCE, confinement, interpreter_paths
 
-try:
-    CAPS = sandbox_capabilities()
-except RuntimeError as error:
-    if "may not reach" not in str(error):
-        raise
-    pytest.skip(f"the sandbox user cannot run this interpreter and the platform grants no mount namespace to "
-                f"reveal it: {error}", allow_module_level=True)
-needs_netns = pytest.mark.skipif(not CAPS.network_namespace, reason="no network namespace on this platform "
-                                 "(unshare(CLONE_NEWNET) refused): the sandbox cannot cut the network here")
-needs_mountns = pytest.mark.skipif(not CAPS.mount_namespace, reason="no mount namespace on this platform: "
-                                   "the sandbox cannot give the code a private, size-capped /tmp here")
+CAPS = sandbox_capabilities()
 
 
 def python_box(**limits) -> ToolBox:
@@ -126,7 +123,6 @@ def test_a_huge_file_is_refused_at_the_file_size_limit():
     assert "File too large" in result.text
 
 
-@needs_mountns
 def test_many_files_are_refused_at_the_disk_limit():
     code = ("for i in range(100):\n"
             "    with open(f'part{i}', 'wb') as f:\n"
@@ -155,7 +151,6 @@ def test_a_detached_child_does_not_outlive_the_call():
     assert (result.outcome, result.text) == ("ok", "parent done\n[exit code 0]")
 
 
-@needs_netns
 def test_connecting_to_the_host_loopback_fails():
     accepted = []
     with socket.socket() as server:
@@ -173,7 +168,6 @@ def test_connecting_to_the_host_loopback_fails():
     assert accepted == []
 
 
-@needs_netns
 def test_connecting_out_and_resolving_names_fail():
     result = run("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
     assert result.outcome == "error" and "Network is unreachable" in result.text
@@ -218,9 +212,210 @@ def test_sandboxes_run_concurrently_from_threads():
     assert threading.active_count() < 50
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare(1) to compare with")
-def test_capabilities_match_what_the_platform_allows():
-    """A silent fallback would weaken the sandbox unnoticed: where unshare(1) can make a network
-    namespace, the sandbox must have used one too."""
-    allowed = subprocess.run(["unshare", "--net", "true"], capture_output=True, check=False).returncode == 0
-    assert CAPS.network_namespace == allowed
+def test_isolation_is_granted_here():
+    """The sandbox fails closed, so a platform without it would refuse the tool: this one must not."""
+    assert CAPS.isolated, CAPS.why
+    assert CAPS.unprivileged_user
+
+
+def test_without_namespaces_the_tool_refuses_to_start_unless_allowed(monkeypatch, caplog):
+    """Fault injected (a stand-in for a kernel that refuses user namespaces): the capability probe
+    says so. The tool then refuses to build, naming the switch; with the switch it builds and warns."""
+    refused = SandboxCapabilities(isolated=False, unprivileged_user=False, why="unshare(0x70020000) was refused")
+    monkeypatch.setattr(sandbox, "sandbox_capabilities", lambda python, user: refused)
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.tools\[i\]\.options\.allow_unsandboxed: true"):
+        build_tool("python", {})
+    with pytest.raises(ConfigError, match="must be true or false"):
+        build_tool("python", {"allow_unsandboxed": "yes"})
+    with caplog.at_level(logging.WARNING, logger="rlx.agents.sandbox"):
+        assert build_tool("python", {"allow_unsandboxed": True}).limits.allow_unsandboxed
+    assert "UNSANDBOXED" in caplog.text and SWITCH in caplog.text
+
+
+FORGE = """import os
+for pid in os.listdir('/proc'):
+    if pid.isdigit() and int(pid) != os.getpid():
+        try:
+            fds = os.listdir(f'/proc/{pid}/fd')
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                with open(f'/proc/{pid}/fd/{fd}', 'w') as pipe:
+                    pipe.write('{"exit": 0}\\n')
+            except OSError:
+                pass
+raise SystemExit(5)"""
+
+BOMB = """import os, time
+children = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        block = b'x' * (100 << 20)  # resident at once (a bytearray's zeros would not be)
+        time.sleep(60)
+        os._exit(0)
+    children.append(pid)
+for pid in children:
+    os.waitpid(pid, 0)
+print('survived')"""
+
+SEES = """import json, os
+paths = json.loads({paths!r})
+print(json.dumps({{"exists": [os.path.exists(p) for p in paths], "tmp": os.listdir('/tmp'),
+                  "cwd": os.getcwd(), "uid": os.getuid()}}))"""
+
+
+def attacks(port: int, hidden: list[str]) -> dict[str, tuple[str, str]]:
+    """(outcome, text) of each attack on the host: reach a loopback server at `port`, see the paths
+    `hidden`, forge the report, and hold 400 MB in four processes under a 256 MB limit."""
+    connect = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
+    results = {}
+    for name, code, limits in (("network", connect, {}), ("sees", SEES.format(paths=json.dumps(hidden)), {}),
+                               ("forge", FORGE, {}), ("memory", BOMB, {"timeout_s": 30, "max_processes": 8})):
+        result = run(code, **limits)
+        results[name] = (result.outcome, result.text)
+    return results
+
+
+def check_attacks(results: dict[str, tuple[str, str]], hidden: list[str]) -> None:
+    outcome, text = results["network"]
+    assert outcome == "error" and "Network is unreachable" in text and "connected\n" not in text
+    outcome, text = results["sees"]
+    assert outcome == "ok", text
+    seen = json.loads(text.splitlines()[0])
+    assert seen["exists"] == [False] * len(hidden), dict(zip(hidden, seen["exists"], strict=True))
+    assert seen["tmp"] == [os.path.basename(seen["cwd"])]  # a fresh /tmp: only the code's own folder
+    assert seen["uid"] != 0
+    outcome, text = results["forge"]
+    assert outcome == "error" and text.endswith("[exit code 5]"), text
+    outcome, text = results["memory"]
+    assert outcome == "error" and "survived" not in text, text
+    assert "past the limit of 256 MB; they were killed]" in text
+
+
+def hidden_paths(data_dir: Path) -> list[str]:
+    """What the code must not see: a world-readable data file with its labels, a file in the working
+    directory, the checkout (rlx's source), a world-readable file in host /tmp."""
+    data = data_dir / "train.jsonl"
+    data.write_text('{"prompt": "6+6=", "label": "12"}\n')
+    data.chmod(0o644)
+    return [str(data), str(Path.cwd() / "pyproject.toml"), str(Path(_RLX_ROOT) / "rlx" / "isolation.py"),
+            host_tmp_file()]
+
+
+def host_tmp_file() -> str:
+    handle, path = tempfile.mkstemp(prefix="rlx-host-tmp-", dir="/tmp")
+    os.close(handle)
+    os.chmod(path, 0o644)
+    return path
+
+
+def loopback_server() -> socket.socket:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.2)
+    return server
+
+
+def assert_nothing_accepted(server: socket.socket) -> None:
+    with pytest.raises(TimeoutError):
+        server.accept()
+
+
+@pytest.fixture
+def world_readable_dir():
+    folder = Path(tempfile.mkdtemp(prefix="rlx-sandbox-test-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_the_code_reaches_no_network_no_host_file_no_report_and_no_more_memory(world_readable_dir):
+    hidden = hidden_paths(world_readable_dir)
+    try:
+        with loopback_server() as server:
+            results = attacks(server.getsockname()[1], hidden)
+            assert_nothing_accepted(server)
+    finally:
+        os.unlink(hidden[-1])
+    check_attacks(results, hidden)
+
+
+def test_a_fresh_tmp_even_when_the_interpreter_lives_under_tmp(world_readable_dir):
+    prefix = world_readable_dir / "python"  # its prefix is bound in, its neighbour in /tmp is not
+    (prefix / "bin").mkdir(mode=0o755, parents=True)
+    prefix.chmod(0o755)
+    (prefix / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    neighbour = world_readable_dir / "neighbour.txt"
+    neighbour.write_text("host /tmp")
+    neighbour.chmod(0o644)
+    code = f"import os\nprint(os.path.exists({str(neighbour)!r}), os.path.isdir({str(prefix)!r}))"
+    result = run(code, python=str(prefix / "bin" / "python"))
+    assert (result.outcome, result.text) == ("ok", "False True\n[exit code 0]")
+
+
+_AS_NOBODY = '''
+def _as_nobody():
+    """As root: a mount and PID namespace of our own whose root shows the interpreter, the checkout
+    and the test's folder (read-only: uid 65534 cannot reach an interpreter under /root otherwise),
+    then run the driver as uid 65534. The network and the host's users stay as they are."""
+    import json, os, sys
+    spec = json.loads(sys.argv[1])
+    _unshare(0x00020000 | 0x20000000)
+    init = os.fork()
+    if init:
+        os._exit(os.waitstatus_to_exitcode(os.waitpid(init, 0)[1]) & 0xFF)
+    _build_root(spec)
+    driver = os.fork()
+    if driver == 0:
+        os.chdir(spec["cwd"])
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": spec["cwd"]}
+        os.execve(sys.executable, [sys.executable, *sys.argv[2:]], env)
+    while True:
+        pid, status = os.wait()
+        if pid == driver:
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+_as_nobody()
+'''
+
+
+def test_the_sandbox_holds_for_an_unprivileged_host_user(world_readable_dir):
+    """CI runs as root, where the sandbox has real privileges to build on. Here the whole attack list
+    runs again from uid 65534, where only unprivileged user namespaces are left: it must hold the
+    same (and its capability probe must say it is isolated, else this fails: never a skip)."""
+    hidden = hidden_paths(world_readable_dir)
+    os.unlink(hidden[-1])  # the unprivileged driver makes its own in the /tmp it sees
+    command = [sys.executable, "-m", "tests.integration.test_sandbox", "PORT", json.dumps(hidden[:-1])]
+    if os.geteuid() == 0:
+        spec = {**confinement([*interpreter_paths(sys.executable), str(Path.cwd()), _RLX_ROOT, str(world_readable_dir)],
+                              64, pid=True), "user": None, "cwd": str(Path.cwd())}
+        command = [sys.executable, "-I", "-S", "-c", CONFINE_SOURCE + _AS_NOBODY, json.dumps(spec), *command[1:]]
+    with loopback_server() as server:
+        command[command.index("PORT")] = str(server.getsockname()[1])
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        server.accept()[0].close()  # the driver's own connection: this user reaches the server
+        assert_nothing_accepted(server)  # the sandboxed code did not
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["uid"] != 0 and report["capabilities"]["isolated"], report  # the preconditions
+    assert report["capabilities"]["unprivileged_user"] and report["driver_connects"]
+    check_attacks(report["results"], report["hidden"])
+
+
+def _unprivileged_driver(port: int, hidden: list[str]) -> None:
+    """The driver of the test above: runs as the unprivileged user, prints what it found as JSON."""
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()  # this user reaches the server
+    hidden = [*hidden, host_tmp_file()]
+    report = {"uid": os.getuid(), "capabilities": vars(CAPS), "driver_connects": True, "hidden": hidden,
+              "results": attacks(port, hidden)}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    _unprivileged_driver(int(sys.argv[1]), json.loads(sys.argv[2]))
