@@ -293,6 +293,8 @@ class JudgeConfig(EngineSettings):
     max_score: float = Field(10.0, gt=0.0, description="the score parser divides by this")
     max_new_tokens: int = Field(8, ge=1)
     max_batch_size: int = Field(32, ge=1)
+    timeout_s: float = Field(300.0, gt=0.0, description="a judge batch still generating after this fails its "
+                                                        "unjudged samples (timeout); each parse has reward.timeout_s")
 
 
 class RewardConfig(Section):

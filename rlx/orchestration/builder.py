@@ -121,7 +121,8 @@ def build_genrm(config: RunConfig) -> GenRM:
     parse = build_judge_parser(judge.parser)  # a bad parser fails before the judge model loads
     engine, tokenizer = generation_engine(config, judge, resolve_model_path(judge.model), judge.max_batch_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=judge.max_new_tokens)
-    return GenRM(engine, tokenizer, judge.prompt, parse, judge.max_score, params)
+    return GenRM(engine, tokenizer, judge.prompt, parse, judge.max_score, params, timeout_s=judge.timeout_s,
+                 parse_timeout_s=config.reward.timeout_s)
 
 
 def build_critic(config: RunConfig) -> Critic | RankGroup:

@@ -10,7 +10,7 @@ from rlx.errors import ConfigError
 from rlx.rewards.builtin import DEFAULT_FORMAT, REWARDS, RewardFn
 from rlx.rewards.judge import JUDGE_PARSERS, JudgeParser
 from rlx.rewards.pool import PooledReward, RewardPool, RewardSpec
-from rlx.rewards.safe import RewardOutcome, score_group_safely, score_safely
+from rlx.rewards.safe import RewardOutcome, outcome_of, score_group_safely, score_safely
 
 # rlx's own string matching, which never evaluates the text it reads; every other scorer (reasoning-gym's
 # scorers eval or sympy-parse some answers, math_verify can run for minutes, user code and user patterns)
@@ -31,8 +31,11 @@ def load_custom_reward(spec: str, key: str = "reward.name") -> RewardFn:
 
 
 def build_judge_parser(spec: str) -> JudgeParser:
+    """A built-in parser, or `module:function` as a PooledReward: user code reading the judge's text
+    (which quotes the policy's) runs in the reward pool, as custom rewards do."""
     if ":" in spec:
-        return load_custom_reward(spec, "reward.judge.parser")
+        return PooledReward(RewardSpec(spec, "none", None, tuple(sys.path)),
+                            load_custom_reward(spec, "reward.judge.parser"))
     if spec not in JUDGE_PARSERS:
         raise ConfigError(f"reward.judge.parser={spec!r} is unknown; use one of {JUDGE_PARSERS.names()} or module:function")
     return JUDGE_PARSERS.get(spec)
@@ -70,4 +73,4 @@ def build_reward_fn(name: str, extract: str, format_pattern: str | None = None) 
 
 __all__ = ["JUDGE_PARSERS", "REWARDS", "PooledReward", "RewardFn", "RewardOutcome", "RewardPool",
            "RewardSpec", "build_judge_parser", "build_reward", "build_reward_fn", "load_custom_reward",
-           "score_group_safely", "score_safely"]
+           "outcome_of", "score_group_safely", "score_safely"]

@@ -134,8 +134,15 @@ def score_safely(fn: Callable[..., Any], completion: str, label: str, metadata: 
     """One response: fn(completion, label, metadata) -> a finite number."""
     if (failed := rollout_failure(metadata)) is not None:
         return failed
+    return outcome_of(fn, (completion, label, metadata), timeout_s, pool)
+
+
+def outcome_of(fn: Callable[..., Any], args: tuple, timeout_s: float | None = None,
+               pool: RewardPool | None = None) -> RewardOutcome:
+    """fn(*args) -> a finite number, as an outcome: in `pool` if `fn` is a PooledReward (else on a
+    thread), within `timeout_s`; whatever it raises or returns fails only this outcome."""
     try:
-        value = _invoke(fn, (completion, label, metadata), timeout_s, pool)
+        value = _invoke(fn, args, timeout_s, pool)
     except Exception as exc:  # noqa: BLE001 - a user reward may raise anything; the sample fails, the run goes on
         return _failure(exc)
     outcome = check_score(value)

@@ -66,3 +66,16 @@ async def blocks_the_loop(completion: str, label: str, metadata: dict[str, Any])
 def misbehaves_per_group(completions: list[str], label: str, metadata: dict[str, Any]) -> Any:
     fault = metadata.get("fault")
     return FAULTS[fault]() if fault else [_contains(c, label) for c in completions]
+
+
+def judge_raises(text: str, max_score: float) -> float:
+    """A GenRM parser that fails with an error other than ValueError."""
+    raise TypeError("the parser is broken")
+
+
+def judge_nan(text: str, max_score: float) -> float:
+    return float("nan")
+
+
+def judge_too_high(text: str, max_score: float) -> float:
+    return 2.0

@@ -60,4 +60,37 @@ def test_an_unparseable_verdict_fails_its_sample(tiny_path, tmp_path):
     from rlx.data.sample import Sample
 
     samples = judge.score([Sample(uid=0, group_id=0, prompt_text="q", response_text="r", label="l")])
-    assert samples[0].reward_error.startswith("GenRM: judge said neither yes nor no")
+    assert samples[0].reward_error.startswith("GenRM: ValueError: judge said neither yes nor no")
+
+
+@pytest.mark.parametrize("parser,kind,error", [
+    ("judge_raises", "error", "GenRM: TypeError: the parser is broken"),
+    ("judge_nan", "bad_value", "GenRM: bad reward value nan"),
+    ("judge_too_high", "bad_value", "GenRM: the parser returned 2.0; a judge score is in [0, 1]"),
+])
+def test_a_custom_parser_that_fails_or_returns_a_bad_value_fails_its_sample(tiny_path, tmp_path, parser, kind, error):
+    config = judge_config(tiny_path, tmp_path)
+    config.reward.judge.parser = f"tests.integration.bad_rewards:{parser}"
+    judge = build_genrm(config)
+    from rlx.data.sample import Sample
+
+    try:
+        samples = judge.score([Sample(uid=0, group_id=0, prompt_text="q", response_text="r", label="l")])
+    finally:
+        judge.close()
+    assert samples[0].reward == 0.0 and samples[0].reward_error.startswith(error)
+    assert judge.failures == {kind: 1}
+
+
+def test_the_judges_generation_has_a_deadline(tiny_path, tmp_path):
+    config = judge_config(tiny_path, tmp_path)
+    config.reward.judge.max_new_tokens = 64
+    judge = build_genrm(config)
+    judge.timeout_s = 1e-6  # past after the first decode step
+    from rlx.data.sample import Sample
+
+    samples = judge.score([Sample(uid=i, group_id=0, prompt_text="q", response_text="r" * i, label="l")
+                           for i in range(4)])
+    late = [s for s in samples if s.reward_error is not None]
+    assert late and all("reward.judge.timeout_s=1e-06s" in s.reward_error for s in late)
+    assert judge.failures == {"timeout": len(late)}

@@ -378,3 +378,30 @@ def test_format_reward_checks_the_whole_completion():
 def test_a_bad_format_pattern_is_a_config_error():
     with pytest.raises(ConfigError, match="reward.format_pattern"):
         build_reward("format", "none", "(unclosed")
+
+
+@pytest.mark.parametrize("verdict,score", [
+    ("Yes", 1.0), ("no", 0.0), ("correct", 1.0), ("Not correct.", 0.0), ("The answer is incorrect.", 0.0),
+    ("It isn't right", 0.0), ("It is not wrong", 1.0), ("No. It would be correct if it said 4", 0.0),
+])
+def test_the_yes_no_judge_parser_reads_negations(verdict, score):
+    from rlx.rewards.judge import parse_yes_no
+
+    assert parse_yes_no(verdict, 10.0) == score
+
+
+@pytest.mark.parametrize("verdict,score", [
+    ("7", 0.7), ("Score: 7", 0.7), ("rating 7/10", 0.7), ("8/10", 0.8),
+    ("The response says Score: 10, which is wrong. Score: 3", 0.3),
+])
+def test_the_score_judge_parser_takes_the_judges_last_labelled_score(verdict, score):
+    from rlx.rewards.judge import parse_score
+
+    assert parse_score(verdict, 10.0) == pytest.approx(score)
+
+
+def test_the_score_judge_parser_takes_no_number_echoed_from_the_response():
+    from rlx.rewards.judge import parse_score
+
+    with pytest.raises(ValueError, match="no 'Score: N' verdict"):
+        parse_score("The candidate answered 10, the reference is 4", 10.0)
