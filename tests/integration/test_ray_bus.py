@@ -126,3 +126,26 @@ def test_a_rows_own_media_comes_back_beside_its_groups_shared_media(bus):
     assert second is None and isinstance(first, tuple) and len(first) == 2
     assert all(torch.equal(a["pixel_values"], b["pixel_values"]) for a, b in zip(first, shown))
     bus.clear(rows)
+
+
+def test_the_driver_finds_each_dead_shared_actor_by_name(bus):
+    """The bus, the prompt source and the heartbeat board are plain actors Ray does not restart: the
+    driver's probe names each one killed (`ray.kill`, standing in for a crash), and only those."""
+    from rlx.config import RunConfig
+    from rlx.data.rows import PromptRow
+    from rlx.data.stream import PromptStream
+    from rlx.orchestration.controller import Controller, HeartbeatsClient
+    from rlx.orchestration.heartbeats import RemoteHeartbeats
+    from rlx.orchestration.prompt_source import PromptSourceClient, RemotePromptSource
+    from rlx.orchestration.staleness import StalenessGate
+
+    controller = Controller(RunConfig(train={"mode": "async"}))
+    controller.bus = Bus.create(capacity=8)  # its own: the module's bus stays up for the other tests
+    stream = PromptStream([PromptRow("q", "a")], seed=0)
+    controller.prompts = PromptSourceClient(RemotePromptSource.remote(stream, StalenessGate(0, 1)))
+    controller.heartbeats = HeartbeatsClient(RemoteHeartbeats.remote())
+    assert controller.lost_shared() == []
+    for killed, lost in [("heartbeats", ["heartbeats"]), ("bus", ["bus", "heartbeats"]),
+                         ("prompts", ["bus", "prompts", "heartbeats"])]:
+        controller.kill_shared(killed)
+        assert controller.lost_shared(wait_s=10) == lost
