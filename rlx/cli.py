@@ -42,6 +42,9 @@ def _doctor(args: argparse.Namespace) -> int:
     print(f"# algorithm.routing_replay={config.algorithm.routing_replay} -> {replay} ({why})", file=sys.stderr)
     if config.train.mode == "async" and config.train.checkpoint_every:  # without checkpoints: a warning below
         print(f"# recovery: {lost_actor_cost(config)}", file=sys.stderr)
+    from rlx.agents.sandbox import sandbox_report
+
+    print(f"# sandbox: {sandbox_report()}", file=sys.stderr)
     for warning in config_warnings(config):
         print(f"# warning: {warning}", file=sys.stderr)
     print("# config OK", file=sys.stderr)

@@ -338,6 +338,20 @@ def sandbox_capabilities(python: str = sys.executable, user: str = "nobody") -> 
                                run.applied.get("why"))
 
 
+def sandbox_report() -> str:
+    """One line for `rlx doctor`: whether this host confines the python tool and the reward pool."""
+    try:
+        capabilities = sandbox_capabilities()
+    except RuntimeError as error:
+        return f"the python sandbox does not start here: {error}"
+    if capabilities.isolated:
+        who = f"as {SandboxLimits.user}" if os.geteuid() == 0 else "as this user in a user namespace"
+        return ("isolated: the python tool and the reward pool run without network, with only the interpreter "
+                f"(and the pool its import path) read-only and a private /tmp, {who}")
+    return (f"NOT isolated here ({capabilities.why}): the python tool refuses to start unless {SWITCH}: true, "
+            "and reward pool processes fail to start")
+
+
 def _launcher() -> None:  # pragma: no cover - runs as `python -I -S -c`, see _LAUNCHER_SOURCE
     """Three processes: this launcher (a child subreaper, so nothing the code starts can leave the
     tree the host kills; the only holder of the status pipe) enters the namespaces and forks an init

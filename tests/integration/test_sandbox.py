@@ -29,6 +29,7 @@ import pytest
 from rlx.agents import sandbox
 from rlx.agents.sandbox import SWITCH, SandboxCapabilities, sandbox_capabilities
 from rlx.agents.tools import ToolBox, build_tool
+from rlx.cli import main
 from rlx.errors import ConfigError
 from rlx.isolation import _RLX_ROOT, CONFINE_SOURCE, confinement, interpreter_paths
 
@@ -230,6 +231,11 @@ def test_without_namespaces_the_tool_refuses_to_start_unless_allowed(monkeypatch
     with caplog.at_level(logging.WARNING, logger="rlx.agents.sandbox"):
         assert build_tool("python", {"allow_unsandboxed": True}).limits.allow_unsandboxed
     assert "UNSANDBOXED" in caplog.text and SWITCH in caplog.text
+
+
+def test_doctor_reports_the_sandbox(capsys):
+    assert main(["doctor", "examples/chain_sum_calculator_smollm2.yaml"]) == 0
+    assert "# sandbox: isolated: the python tool and the reward pool run without network" in capsys.readouterr().err
 
 
 FORGE = """import os
