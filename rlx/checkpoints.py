@@ -27,7 +27,7 @@ from rlx.errors import UserError
 FORMAT = 2  # 1: the pickle `run_state.pkl` era, no marker
 MARKER = "rlx_checkpoint.json"
 STAGING, REPLACED = ".partial", ".old"
-_STEP = re.compile(r"^step_(\d+)(\.partial|\.old)?$")
+_STEP = re.compile(r"^step_~*(\d+)(\.partial|\.old)?$")  # `~`: one per digit past 6 (run_dir.step_name)
 
 # What `rlx export` copies (fnmatch patterns on the checkpoint's top-level file names): the model
 # and what loading or prompting it needs. Everything else (optimizer, run state with bus rows,

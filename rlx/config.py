@@ -225,7 +225,27 @@ class EngineSettings(Section):
 
 class ToolConfig(Section):
     name: str = Field(description="built-in tool (calculator, python) or a user class package.module:Name")
-    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the tool's constructor")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the tool's constructor; "
+                                    "python: rlx.agents.sandbox.SandboxLimits' fields and timeout_s "
+                                    "(allow_unsandboxed: true runs model code unconfined where the host cannot confine it)")
+
+    @model_validator(mode="after")
+    def _python_options(self) -> ToolConfig:
+        """The python tool's options are checked here, before a run starts: a misspelled or string
+        `allow_unsandboxed` must not pass silently."""
+        if self.name == "python":
+            import dataclasses
+
+            from rlx.agents.sandbox import SandboxLimits
+
+            known = {field.name for field in dataclasses.fields(SandboxLimits)} | {"timeout_s"}
+            unknown = sorted(set(self.options) - known)
+            if unknown:
+                raise ValueError(f"options {unknown} are not python tool options; use some of {sorted(known)}")
+            if not isinstance(self.options.get("allow_unsandboxed", False), bool):
+                raise ValueError(f"options.allow_unsandboxed must be true or false, not "
+                                 f"{self.options['allow_unsandboxed']!r}")
+        return self
 
 
 class AgentConfig(Section):
@@ -477,7 +497,8 @@ class TrainConfig(Section):
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.99), description="Adam's (beta1, beta2), each in [0, 1)")
     grad_clip: float = Field(1.0, gt=0.0)
     micro_batch_size: int = Field(16, ge=1)
     trainable: list[str] = Field(
@@ -680,10 +701,31 @@ class RunConfig(Section):
         return {"algorithm.behavior_correction": self.algorithm.resolved_correction,
                 "algorithm.routing_replay": self.routing_replay}
 
-    def to_yaml(self) -> str:
-        """The config as given, plus a comment with what `auto` resolved to."""
-        comments = "".join(f"# {key} resolved to {value}\n" for key, value in self.resolved().items())
-        return comments + yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+    def to_yaml(self, redact: bool = False) -> str:
+        """The config as given, plus a comment with what `auto` resolved to. `redact`: without the
+        secrets a config may hold inline (alert URLs, engines' `api_key`), each named in a comment,
+        for the copy kept in the run directory."""
+        data = self.model_dump(mode="json")
+        comments = [f"# {key} resolved to {value}" for key, value in self.resolved().items()]
+        if redact:
+            comments += [f"# {where} left out (a secret): give it again to reuse this file" for where in redact_secrets(data)]
+        return "".join(line + "\n" for line in comments) + yaml.safe_dump(data, sort_keys=False)
+
+
+def redact_secrets(data: dict[str, Any]) -> list[str]:
+    """Remove the secrets from a dumped config in place: `logging.alerts` (Apprise URLs carry tokens) and
+    `api_key` in any `engine_options`. Returns where each was."""
+    removed = []
+    if data["logging"]["alerts"]:
+        data["logging"]["alerts"], removed = [], ["logging.alerts"]
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, dict):
+            if where.endswith("engine_options") and node.pop("api_key", None) is not None:
+                removed.append(f"{where}.api_key")
+            stack += [(f"{where}.{key}".lstrip("."), value) for key, value in node.items()]
+    return sorted(removed)
 
 
 GROUP_RELATIVE = ("grpo", "rloo", "reinforce_pp_baseline")

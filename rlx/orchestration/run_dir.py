@@ -6,6 +6,7 @@ directory, so a mistyped `logging.run_dir` can never wipe someone's files.
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -36,8 +37,16 @@ def prepare_run_dir(config: RunConfig, resume: bool, overwrite: bool) -> Path:
         raise RunDirError(f"--resume: no checkpoint in {run_dir / CHECKPOINTS}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RUN_MARKER).touch()
-    (run_dir / "config.yaml").write_text(config.to_yaml())
+    write_private(run_dir / "config.yaml", config.to_yaml(redact=True))
     return run_dir
+
+
+def write_private(path: Path, text: str) -> None:
+    """`text` into `path`, readable by its owner only (a config names data, models and endpoints)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file (a resumed run) keeps its mode otherwise
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
 
 
 def _refuse_overwrite(run_dir: Path) -> str | None:
@@ -76,7 +85,12 @@ def empty_run_dir(run_dir: Path) -> None:
 def checkpoint_path(run_dir: Path, step: int, role: str | None = None) -> Path:
     """The run's checkpoint of `step`; `role`: a stateful role that checkpoints on its own clock
     (the async Critic), in a folder of its own."""
-    return run_dir / CHECKPOINTS / (role or "") / f"step_{step:06d}"
+    return run_dir / CHECKPOINTS / (role or "") / step_name(step)
+
+
+def step_name(step: int) -> str:
+    """`step_000042`; past 999,999 a `~` per extra digit (`step_~1000000`), so names sort by step."""
+    return f"step_{'~' * max(0, len(str(step)) - 6)}{step:06d}"
 
 
 def latest_checkpoint(run_dir: Path, role: str | None = None, resuming: bool = False) -> Path | None:
