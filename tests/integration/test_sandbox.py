@@ -30,6 +30,7 @@ from rlx.agents import sandbox
 from rlx.agents.sandbox import SWITCH, SandboxCapabilities, sandbox_capabilities
 from rlx.agents.tools import ToolBox, build_tool
 from rlx.cli import main
+from rlx.config import load_config
 from rlx.errors import ConfigError
 from rlx.isolation import _RLX_ROOT, CONFINE_SOURCE, confinement, interpreter_paths
 
@@ -236,6 +237,14 @@ def test_without_namespaces_the_tool_refuses_to_start_unless_allowed(monkeypatch
 def test_doctor_reports_the_sandbox(capsys):
     assert main(["doctor", "examples/chain_sum_calculator_smollm2.yaml"]) == 0
     assert "# sandbox: isolated: the python tool and the reward pool run without network" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options,error", [({"allow_unsandboxed": "yes"}, "must be true or false, not 'yes'"),
+                                           ({"alow_unsandboxed": True}, "are not python tool options")])
+def test_the_config_checks_the_python_tools_options(options, error):
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.tools\.1 = (.|\n)*" + error):
+        load_config("examples/chain_sum_calculator_smollm2.yaml",
+                    [f"rollout.agent.tools=[{{name: calculator}}, {{name: python, options: {json.dumps(options)}}}]"])
 
 
 FORGE = """import os
