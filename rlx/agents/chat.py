@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import re
+import secrets
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlx.data.prompts import with_model_placeholders
-from rlx.data.rows import Messages
+from rlx.data.rows import DataError, Messages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,7 +52,10 @@ def template_supports_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
 class ChatTokens:
     """Renders conversations for one tokenizer and tool set; hands out prompt and observation tokens."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, tool_specs: list[dict] | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tool_specs: list[dict] | None = None,
+                 checked_tokens: Collection[str] = ()) -> None:
+        """`checked_tokens`: control tokens an observation may still write as ids, because the caller
+        checks them there (the model's media tokens: the rollout refuses a stray one)."""
         if not tokenizer.chat_template:
             raise ValueError("multi-turn rollouts need a tokenizer with a chat template")
         self.tokenizer = tokenizer
@@ -58,6 +63,10 @@ class ChatTokens:
         self.native_tools = bool(self.tool_specs) and template_supports_tools(tokenizer)
         eos = tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        # the strings a tokenizer turns into control ids (<|im_start|>, <|im_end|>, media tokens)
+        specials = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+        self.checked_tokens = frozenset(specials.intersection(checked_tokens))
+        self.control_strings = frozenset(specials - self.checked_tokens)
 
     def _with_tool_prompt(self, messages: Messages) -> Messages:
         if not self.tool_specs or self.native_tools:
@@ -94,8 +103,10 @@ class ChatTokens:
         if not (with_turn.startswith(opened) and after.startswith(with_turn)):
             raise TemplateDrift("the chat template changes earlier text when messages are added")
         written = with_turn[len(opened):]  # the turn as the template writes it
-        return self.encode(with_model_placeholders(self._turn_closing(written, turn_ids) + after[len(with_turn):],
-                                                   placeholders))
+        closing = self._turn_closing(written, turn_ids)
+        if not any(self._holds_control(message.get("content")) for message in observation):
+            return self.encode(with_model_placeholders(closing + after[len(with_turn):], placeholders))
+        return self._encode_as_text(closing, [*before, turn], len(with_turn), observation, after, placeholders)
 
     def _turn_closing(self, written: str, turn_ids: list[int]) -> str:
         """What the template writes after the policy's last token (e.g. the newline after <|im_end|>)."""
@@ -107,6 +118,56 @@ class ChatTokens:
             if end in written:
                 return written[written.rindex(end) + len(end):]
         raise TemplateDrift("the chat template does not write the assistant turn as the policy generated it")
+
+    def _holds_control(self, content: object) -> bool:
+        return isinstance(content, str) and any(control in content for control in self.control_strings)
+
+    def _encode_as_text(self, closing: str, conversation: Messages, written: int, observation: Messages, after: str,
+                        placeholders: Mapping[str, str] | None) -> list[int]:
+        """The observation's tokens with each content that holds a control token's string encoded as
+        plain text (a tool result's `<|im_end|>` stays characters, so it cannot close its turn or
+        forge another), and the template's own markers as control ids. Each such content is found by
+        rendering it as a unique marker; a template that does not write it verbatim is refused.
+        `written`: how much of the render is `conversation`'s (the policy's turn included)."""
+        nonce = secrets.token_hex(8)
+        literal: dict[str, str] = {}
+        marked = []
+        for index, message in enumerate(observation):
+            if self._holds_control(message.get("content")):
+                mark = f"\x00rlx-{nonce}-{index}\x00"
+                literal[mark] = message["content"]
+                message = {**message, "content": mark}
+            marked.append(message)
+        rendered = self.render([*conversation, *marked], add_generation_prompt=True)
+        restored = rendered
+        for mark, content in literal.items():
+            restored = restored.replace(mark, content)
+        if restored != after:
+            raise DataError("an observation holds a control token's text (" + ", ".join(sorted(
+                c for c in self.control_strings if any(c in content for content in literal.values())))
+                + ") and the chat template does not write it verbatim, so it cannot be encoded as plain text: "
+                "keep control tokens out of tool and environment output")
+        ids: list[int] = []
+        pattern = "(" + "|".join(re.escape(mark) for mark in literal) + ")"
+        for piece in re.split(pattern, closing + rendered[written:]):
+            if piece in literal:
+                ids += self._plain(literal[piece], placeholders)
+            else:
+                ids += self.encode(with_model_placeholders(piece, placeholders))
+        return ids
+
+    def _plain(self, content: str, placeholders: Mapping[str, str] | None) -> list[int]:
+        """`content` as text, control token strings included; a dataset placeholder (`<image>`) still
+        becomes the model's placeholder token, and a checked token its id, as in any observation."""
+        kept = {**{token: token for token in self.checked_tokens}, **(placeholders or {})}
+        ids: list[int] = []
+        pattern = "(" + "|".join(re.escape(text) for text in sorted(kept, key=len, reverse=True)) + ")"
+        for part in re.split(pattern, content) if kept else [content]:
+            if part in kept:
+                ids += self.encode(kept[part])
+            elif part:
+                ids += self.tokenizer(part, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,9 @@ class AgentRollout(ConcurrentRollout):
         self._opened: OrderedDict[tuple[int, tuple[int, ...]], tuple[PromptRow, Future]] = OrderedDict()
         self._opened_lock = threading.Lock()
         probe = environments()
-        self.chat = ChatTokens(tokenizer, probe.tool_specs)
+        # the model's media tokens stay ids in observations: `_shown` refuses a stray one
+        media_tokens = tokenizer.convert_ids_to_tokens(sorted(processor.media_token_ids)) if processor else ()
+        self.chat = ChatTokens(tokenizer, probe.tool_specs, media_tokens)
         probe.close()
         self.template_check = check_template(self.chat)  # reported at start-up; see rlx.agents.chat
 
@@ -201,6 +203,9 @@ class AgentRollout(ConcurrentRollout):
                                                         self.placeholder_text if step.media else None)
             except TemplateDrift:
                 return _finish(trajectory, "template_drift")
+            except DataError as error:  # control token text the template would not write verbatim
+                trajectory.env_error = bounded(str(error))
+                return _finish(trajectory, "env_error")
             try:
                 observation, shown = self._shown(row, trajectory.turns, observation, step.media)
             except DataError as error:  # media the environment got wrong fail its trajectory only
