@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import json
 import os
+import pickle
 import pwd
 import signal
 import socket
@@ -28,6 +30,8 @@ from typing import Any, Generic, Self, TypeVar
 
 STOP_TIMEOUT_S = 5.0
 CONFINED_TMP_MB = 256  # a confined child's private /tmp (RAM)
+MAX_REPLY_BYTES = 1 << 20  # a confined child's reply: a reward, a group's rewards or an error's text
+MAX_ERROR_TEXT = 16_000  # characters of a child's exception text sent back (a reward's error is logged)
 _RLX_ROOT = str(Path(__file__).resolve().parents[1])  # so `python -m rlx...` works from a source tree too
 
 
@@ -56,6 +60,18 @@ def self_destruct_after(timeout_s: float | None) -> float | None:
     return None if timeout_s is None else timeout_s + STOP_TIMEOUT_S
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """Numbers, strings, lists, tuples, dicts and None (pickle builds those without classes), and
+    numpy scalars; any other class is refused, so unpickling runs no code of the sender's choosing."""
+
+    _ALLOWED = frozenset({("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"), ("numpy", "dtype")})
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+        return super().find_class(module, name)
+
+
 class ChildProcess:
     """One child process running `module` and the parent's end of its socket pair. `label` names it
     in errors ("the reward process ..."). `confined`: isolate it once as it starts (`confinement`: no
@@ -63,7 +79,7 @@ class ChildProcess:
     environment, unprivileged) before it imports anything."""
 
     def __init__(self, module: str, label: str, confined: bool = False) -> None:
-        self.label = label
+        self.label, self.confined = label, confined
         ours, theirs = socket.socketpair()
         path = os.pathsep.join(filter(None, [_RLX_ROOT, os.environ.get("PYTHONPATH")]))
         argv = [sys.executable, "-m", module, str(theirs.fileno())]
@@ -88,7 +104,7 @@ class ChildProcess:
         """The next reply's payload; a late or dead child is killed and raises ProcessTimeout/ProcessCrash."""
         try:
             on_time = self.conn.poll(timeout_s)
-            status, payload = self.conn.recv() if on_time else ("late", None)
+            status, payload = self._receive() if on_time else ("late", None)
         except (EOFError, OSError):
             code = self._reap()
             raise ProcessCrash(f"the {self.label} process {_exit_description(code)} during the call") from None
@@ -98,6 +114,24 @@ class ChildProcess:
         if status == "error":
             raise ProcessFailure(payload)
         return payload
+
+    def _receive(self) -> tuple:
+        """A confined child runs code that may have been taken over (the model's text reached an eval):
+        its reply is read with a byte bound and unpickled as plain data only, never as code (N16)."""
+        if not self.confined:
+            return self.conn.recv()
+        try:
+            data = self.conn.recv_bytes(MAX_REPLY_BYTES)
+        except OSError as error:
+            if "bad message length" not in str(error):
+                raise
+            self.kill()
+            raise ProcessFailure(f"the {self.label} process sent a reply over {MAX_REPLY_BYTES} bytes; it was "
+                                 "killed") from None
+        try:
+            return _PlainUnpickler(io.BytesIO(data)).load()
+        except (pickle.UnpicklingError, ValueError, TypeError, EOFError) as error:
+            raise ProcessFailure(f"the {self.label} process sent a reply that is not plain data: {error}") from None
 
     def request(self, message: tuple, timeout_s: float | None, late: str) -> Any:
         try:
@@ -235,7 +269,9 @@ def serve_requests(conn: Connection, handle: Callable[[str, Any], Any]) -> None:
         try:
             reply = ("ok", handle(op, payload))
         except BaseException as exc:  # noqa: BLE001 - user code failed; this process serves on
-            reply = ("error", f"{type(exc).__name__}: {exc}")
+            message = f"{type(exc).__name__}: {exc}"
+            cut = len(message) - MAX_ERROR_TEXT
+            reply = ("error", message[:MAX_ERROR_TEXT] + f" [... {cut} more characters]" if cut > 0 else message)
         signal.setitimer(signal.ITIMER_REAL, 0)
         try:
             conn.send(reply)

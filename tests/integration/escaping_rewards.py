@@ -32,3 +32,22 @@ def starts_a_marked_program_and_hangs(completion: str, label: str, metadata: dic
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", metadata["marker"]])
     time.sleep(600)
     return 0.0
+
+
+class _OpensInTheParent:
+    """Pickled as a call of open(path, "w"): whoever unpickles it creates the file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return open, (self.path, "w")
+
+
+def replies_with_code(completion: str, label: str, metadata: dict[str, Any]) -> Any:
+    """A taken-over worker's reply: unpickled as is, it would run in the pool's (unconfined) parent."""
+    return _OpensInTheParent(metadata["path"])
+
+
+def replies_at_length(completion: str, label: str, metadata: dict[str, Any]) -> Any:
+    return "x" * (2 << 20)

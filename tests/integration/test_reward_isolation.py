@@ -209,3 +209,15 @@ def test_a_reward_holds_no_token_and_is_not_root(monkeypatch):
         for variable in ("RAY_AUTH_TOKEN", "RLX_API_TOKEN"):
             sample = _escapes(own, "sees", {"variable": variable})
             assert (sample.reward, sample.reward_error) == (0.0, None)
+
+
+def test_a_worker_reply_is_plain_data_of_bounded_size(pool, tmp_path):
+    """A worker the model's text took over cannot reach the parent through its reply: a pickle that
+    would call open() in the parent is refused, and a 2 MB reply is cut off (its worker killed)."""
+    target = tmp_path / "opened-by-the-parent.txt"
+    sample = _escapes(pool, "replies_with_code", {"path": str(target)})
+    assert not target.exists()
+    assert "io.open is not plain data" in sample.reward_error
+    sample = _escapes(pool, "replies_at_length", {})
+    assert "sent a reply over 1048576 bytes; it was killed" in sample.reward_error
+    assert _escapes(pool, "sees", {"variable": "RAY_AUTH_TOKEN"}).reward == 0.0  # the pool serves on
