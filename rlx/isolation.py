@@ -437,7 +437,9 @@ def _confined_exec() -> None:  # pragma: no cover - runs as `python -I -S -c`, s
     except OSError as exc:
         from multiprocessing.connection import Connection
 
-        Connection(spec["fd"]).send(("error", f"the process could not be isolated: {exc}"))
+        why = (f"the process could not be confined ({exc}); confined processes need unprivileged user "
+               "namespaces, or root with CAP_SYS_ADMIN")
+        Connection(spec["fd"]).send(("error", why))
         os._exit(126)
     os.execve(argv[0], argv, env)
 

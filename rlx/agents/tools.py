@@ -15,8 +15,10 @@ that is killed at `timeout_s`, so it never leaves work behind; `grace_s` is its 
 One tool instance serves every trajectory of a rollout replica, from many threads at once, so a
 tool's `run` must be thread-safe.
 
-Built in: `calculator` (rlx.agents.calculator) and `python` (rlx.agents.sandbox). A user tool is a
-class `package.module:Name` subclassing `Tool`, built with the tool's `options` as keyword arguments.
+Built in: `calculator` (rlx.agents.calculator) and `python` (rlx.agents.sandbox; building it fails
+with a ConfigError where the host cannot confine it, unless its options say `allow_unsandboxed: true`).
+A user tool is a class `package.module:Name` subclassing `Tool`, built with the tool's `options` as
+keyword arguments.
 """
 
 from __future__ import annotations
