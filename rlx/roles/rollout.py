@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ from rlx.data.sample import Sample
 from rlx.engines.generation.base import GenerationEngine, GenerationRequest, SamplingParams
 from rlx.media.inputs import MediaInputs
 from rlx.obs.timeline import SPANS
+from rlx.rewards.safe import ROLLOUT_ERROR, bounded
 
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
     from transformers import PreTrainedTokenizerBase
@@ -18,6 +20,15 @@ if TYPE_CHECKING:  # transformers costs seconds to import; services without a mo
     from rlx.media.processor import MediaProcessor
 
 Group = tuple[int, PromptRow, list[int]]  # (group id, prompt row, prompt token ids)
+Prepared = tuple[list[int], "MediaInputs | None"]  # the prompt as the engine takes it, and its media
+log = logging.getLogger(__name__)
+
+
+def _taken(samples: list[Sample]) -> list[Sample]:
+    """Everything in `samples`, which is emptied."""
+    taken = samples[:]
+    samples.clear()
+    return taken
 
 
 class Rollout:
@@ -46,17 +57,39 @@ class Rollout:
                             "(set data.media_keys and use a model that takes media)")
         return self.processor(prompt_ids, row)
 
-    def prepare_all(self, items: list[tuple[PromptRow, list[int]]]) -> list[tuple[list[int], MediaInputs | None]]:
+    def prepare_all(self, items: list[tuple[PromptRow, list[int]]]) -> list[Prepared | DataError]:
         """`prepare` for each (row, prompt_ids), in order; the rows with media in parallel when the
-        processor is a pool (`data.processor_workers`)."""
+        processor is a pool (`data.processor_workers`). A row whose media the processor refuses (a
+        file that will not decode) gives its DataError in its place: only its group fails."""
         parallel = getattr(self.processor, "map", None)
         media_rows = [i for i, (row, _) in enumerate(items) if row.media]
-        if parallel is None or len(media_rows) < 2:
-            return [self.prepare(row, prompt_ids) for row, prompt_ids in items]
-        out: list[tuple[list[int], MediaInputs | None]] = [(prompt_ids, None) for _, prompt_ids in items]
-        for i, prepared in zip(media_rows, parallel([(items[i][1], items[i][0]) for i in media_rows])):
-            out[i] = prepared
-        return out
+        if parallel is not None and len(media_rows) >= 2:
+            try:
+                out: list[Prepared | DataError] = [(prompt_ids, None) for _, prompt_ids in items]
+                for i, prepared in zip(media_rows, parallel([(items[i][1], items[i][0]) for i in media_rows])):
+                    out[i] = prepared
+                return out
+            except DataError:  # a row's media failed: each row once more on its own, so only it fails
+                pass
+        return [self._prepared(row, prompt_ids) for row, prompt_ids in items]
+
+    def _prepared(self, row: PromptRow, prompt_ids: list[int]) -> Prepared | DataError:
+        try:
+            return self.prepare(row, prompt_ids)
+        except DataError as error:
+            return error
+
+    def failed_group(self, group_id: int, row: PromptRow, prompt_ids: list[int], n: int,
+                     error: DataError) -> list[Sample]:
+        """The n samples of a group whose media would not decode: no response, the reason in
+        `metadata.rollout_error`, so no reward scores them and each fails (reward_failed_bad_media),
+        counted and never trained on; at the engine's version, so they count as on time."""
+        log.warning("a group's media failed; its %d samples fail: %s", n, error)
+        failure = {ROLLOUT_ERROR: {"kind": "bad_media", "error": bounded(str(error))}}
+        version = self.engine.weight_version
+        return [Sample(uid=next(self._uids), group_id=group_id, prompt_ids=prompt_ids, behavior_version=version,
+                       last_behavior_version=version, finish_reason="bad_media", prompt_text=row.question,
+                       label=row.label, metadata={**row.metadata, **failure}) for _ in range(n)]
 
     def generate(
         self,
@@ -72,11 +105,16 @@ class Rollout:
         (continuous batching across steps in async mode).
         """
         owners: dict[int, tuple[int, PromptRow, MediaInputs | None]] = {}
+        failed: list[Sample] = []  # the samples of groups whose media failed, yielded as soon as can be
 
         def requests_for(new_groups: list[Group]) -> list[GenerationRequest]:
             out = []
             prepared = self.prepare_all([(row, prompt_ids) for _, row, prompt_ids in new_groups])
-            for (group_id, row, _), (prompt_ids, media) in zip(new_groups, prepared):  # once per group: shared
+            for (group_id, row, raw_ids), ready in zip(new_groups, prepared):  # once per group: shared
+                if isinstance(ready, DataError):
+                    failed.extend(self.failed_group(group_id, row, raw_ids, n, ready))
+                    continue
+                prompt_ids, media = ready
                 for _ in range(n):
                     uid = next(self._uids)
                     out.append(GenerationRequest(request_id=uid, prompt_ids=prompt_ids, media=media))
@@ -87,6 +125,7 @@ class Rollout:
         if more_groups is not None:
             refill = lambda free_slots: requests_for(more_groups(free_slots // n))
         for result in self.engine.stream(requests_for(groups), params, refill=refill, between_steps=between_steps):
+            yield from _taken(failed)
             group_id, row, media = owners.pop(result.request_id)
             yield Sample(
                 uid=result.request_id,
@@ -104,6 +143,7 @@ class Rollout:
                 routed_experts=result.routed_experts,
                 media_inputs=media,
             )
+        yield from _taken(failed)
 
     @property
     def version(self) -> int:
