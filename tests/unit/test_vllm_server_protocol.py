@@ -7,7 +7,12 @@ import torch
 
 from rlx.engines.generation.base import GenerationRequest, SamplingParams
 from rlx.engines.generation.vllm import sampling_fields
-from rlx.engines.generation.vllm_server import VLLMServerEngine, VLLMServerError, result_from_reply
+from rlx.engines.generation.vllm_server import (
+    VLLMServerEngine,
+    VLLMServerError,
+    result_from_reply,
+    warn_if_exposed,
+)
 from rlx.errors import ConfigError
 
 REQUEST = GenerationRequest(request_id=4, prompt_ids=[5, 6, 7])
@@ -92,3 +97,44 @@ def test_a_server_launched_without_what_rlx_needs_is_refused_naming_the_flag(rep
 def test_a_server_launched_as_rlx_needs_passes_and_gives_its_dtype():
     replies = {"/server_info": server_info(), "/inference/v1/generate": {"choices": []}}
     assert Launched(replies)._check_launch("float32") == torch.float32
+
+
+# -- what the unauthenticated dev routes may hand rlx_gloo (N14) ---------------------------------------------
+@pytest.mark.parametrize("update, message", [
+    ({"names": ["w"], "dtype_names": ["Tensor"], "shapes": [[2]]}, "dtype 'Tensor' is not a weight dtype"),
+    ({"names": ["w"], "dtype_names": ["float32"], "shapes": [[2, -1]]}, "is not a list of non-negative sizes"),
+    ({"names": ["w"], "dtype_names": ["float32"], "shapes": [[True]]}, "is not a list of non-negative sizes"),
+    ({"names": ["w"], "dtype_names": ["float32"], "shapes": ["22"]}, "is not a list of non-negative sizes"),
+])
+def test_an_update_with_a_foreign_dtype_or_shape_is_refused(update, message):
+    transfer = pytest.importorskip("rlx.engines.generation.vllm_transfer")
+    with pytest.raises(ValueError, match=message):
+        transfer.GlooUpdateInfo(**update)
+
+
+def test_an_update_larger_than_the_model_is_refused_before_allocating():
+    transfer = pytest.importorskip("rlx.engines.generation.vllm_transfer")
+    engine = object.__new__(transfer.GlooWeightTransferEngine)  # the checks need only its model and group
+    engine.model, engine.group = torch.nn.Linear(4, 4), object()
+    huge = transfer.GlooUpdateInfo(names=["w"], dtype_names=["float32"], shapes=[[1 << 20, 1 << 20]])
+    with pytest.raises(ValueError, match=r"announces 4398046511104 bytes, more than 2x the model's 80: refused"):
+        engine.receive_weights(huge)
+
+
+def test_a_group_timeout_past_the_cap_is_refused():
+    transfer = pytest.importorskip("rlx.engines.generation.vllm_transfer")
+    with pytest.raises(ValueError, match=r"timeout_s=1000000000.0 must be a number in \(0, 3600\]"):
+        transfer.GlooInitInfo("127.0.0.1", 1234, 1, 2, timeout_s=1e9)
+    assert transfer.GlooInitInfo("127.0.0.1", 1234, 1, 2).timeout_s == 600.0
+
+
+def test_a_served_dtype_rlx_does_not_know_is_refused():
+    with pytest.raises(VLLMServerError, match=r"/server_info failed \(HTTP 200\): reports dtype 'Tensor'"):
+        Launched({"/server_info": server_info(dtype="Tensor")})._check_launch(None)
+
+
+def test_a_dev_mode_server_off_loopback_is_warned_about(caplog):
+    warn_if_exposed("http://127.0.0.1:8000", "127.0.0.1")
+    assert not caplog.records
+    warn_if_exposed("http://10.0.0.5:8000", "10.0.0.2")
+    assert "not on loopback" in caplog.text and "private network" in caplog.text

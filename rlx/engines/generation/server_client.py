@@ -42,6 +42,7 @@ Refill = Callable[[int], list[GenerationRequest]]
 LOGPROB_SLACK = 1e-4  # a log-prob a hair above 0 is rounding; more is not a log-prob
 MAX_REPLY_BYTES = 256 << 20  # the largest reply rlx reads from a server (a batch's tokens and log-probs)
 READ_PIECE = 64 << 10
+MAX_GROUP_TIMEOUT_S = 3600.0  # the longest a server's weight group waits (a server refuses longer)
 WeightGroup = Any  # a c10d ProcessGroupGloo or ProcessGroupNCCL, used without a default group
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +43,7 @@ import torch
 from rlx.engines.generation import EngineSpec
 from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams
 from rlx.engines.generation.server_client import (
+    MAX_GROUP_TIMEOUT_S,
     ServerEngine,
     ServerError,
     WeightGroup,
@@ -64,10 +66,20 @@ from rlx.weights.broadcast import rendezvous_host, serve_store
 
 OPTIONS = {"url", "api_key", "api_key_env", "timeout_s", "max_concurrency", "weight_chunk_mb", "weight_host"}
 TRANSFER_BACKEND = "rlx_gloo"
+logger = logging.getLogger(__name__)
 MISSING_LOGPROB = -9999.0  # what vLLM writes for a NaN, -inf or absent log-prob
+SERVED_DTYPES = ("float32", "bfloat16", "float16")
 LAUNCH_HINT = ("start it as VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1 --enable-scale-out "
                f"--logprobs-mode processed_logprobs --weight-transfer-config '{{\"backend\": \"{TRANSFER_BACKEND}\"}}' "
                "(rlx installed beside vLLM; dev mode's routes take no API key: keep the server off untrusted networks)")
+
+
+def warn_if_exposed(url: str, weight_host: str) -> None:
+    """A dev-mode server off loopback: say what anyone on its network can do."""
+    if not is_loopback(url):
+        logger.warning("the vLLM server at %s is not on loopback: its dev-mode routes (weights, pause, "
+                       "collective_rpc) take no API key, and the weight group's store listens on %s for the run "
+                       "(whoever joins it first receives the weights); keep both on a private network", url, weight_host)
 
 
 class VLLMServerError(ServerError):
@@ -140,6 +152,7 @@ class VLLMServerEngine(ServerEngine):
         self.vocab_size = vocab
         self.weight_chunk_bytes = max(1, int(weight_chunk_mb * 2**20))
         self.weight_host = weight_host or ("127.0.0.1" if is_loopback(self.url) else rendezvous_host())
+        warn_if_exposed(self.url, self.weight_host)
         self.dtype = self._check_launch(dtype)
         self.weight_version = parse_version(self._call("GET", "/weight_info").get("weight_version"), 0)
         self._meta_model = meta_model(path)
@@ -166,6 +179,8 @@ class VLLMServerEngine(ServerEngine):
             raise ConfigError(f"the vLLM server at {self.url} loads weights by backend {backend!r}, not "
                               f"{TRANSFER_BACKEND!r}; {LAUNCH_HINT}")
         served = str((config.get("model_config") or {}).get("dtype", "")).removeprefix("torch.")
+        if served not in SERVED_DTYPES:
+            raise VLLMServerError("/server_info", 200, f"reports dtype {served!r}, not one of {SERVED_DTYPES}", self.url)
         if dtype is not None and served != dtype:
             raise ConfigError(f"the vLLM server at {self.url} runs {served}, the run's rollout.dtype is {dtype}: launch "
                               f"it with --dtype {dtype}, or set rollout.dtype={served}")
@@ -255,7 +270,7 @@ class VLLMServerEngine(ServerEngine):
         joined = in_background(lambda: process_group(store, name, "gloo", 0, world_size, timeout, self.weight_host))
         self._call("POST", "/init_weight_transfer_engine", {"init_info": {
             "master_address": self.weight_host, "master_port": store.port, "rank_offset": 1,
-            "world_size": world_size, "group_name": name, "timeout_s": self.timeout_s,
+            "world_size": world_size, "group_name": name, "timeout_s": min(self.timeout_s, MAX_GROUP_TIMEOUT_S),
         }})
         return joined.result(timeout=self.timeout_s)
 

@@ -11,10 +11,17 @@ inside vLLM's layerwise-reload lifecycle, as the `nccl` backend does.
 
 rlx registers it in every vLLM process of an environment where rlx is installed (entry point
 `vllm.general_plugins`: `register`). Only this module imports vLLM; it runs in the server.
+
+Dev mode's routes take no API key, so what they pass here is checked before anything is allocated:
+dtypes from `WIRE_DTYPES`, shapes of non-negative sizes whose bytes together stay within the
+model's own (`UPDATE_SLACK` times), a group timeout of at most `MAX_TIMEOUT_S`. Anyone who reaches
+the server can still point its workers at a store of theirs: keep it on loopback or a private
+network.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +32,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
 from rlx.engines.generation.server_client import (
+    MAX_GROUP_TIMEOUT_S,
     WeightGroup,
     broadcast_tensors,
     interface_towards,
@@ -32,6 +40,10 @@ from rlx.engines.generation.server_client import (
 )
 
 BACKEND = "rlx_gloo"
+WIRE_DTYPES = {name: getattr(torch, name) for name in (
+    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")}
+MAX_TIMEOUT_S = MAX_GROUP_TIMEOUT_S
+UPDATE_SLACK = 2  # an update may announce up to this many times the model's parameter bytes (layouts differ)
 
 
 def register() -> None:
@@ -51,6 +63,13 @@ class GlooInitInfo:
     group_name: str = "rlx_weights"
     timeout_s: float = 600.0
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= MAX_TIMEOUT_S):
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be a number in (0, {MAX_TIMEOUT_S:g}]")
+        for name in ("master_port", "rank_offset", "world_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a non-negative integer")
+
 
 @dataclass
 class GlooUpdateInfo:
@@ -64,6 +83,15 @@ class GlooUpdateInfo:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(f"names ({len(self.names)}), dtype_names ({len(self.dtype_names)}) and shapes "
                              f"({len(self.shapes)}) differ in length")
+        for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes):
+            if dtype not in WIRE_DTYPES:
+                raise ValueError(f"{name!r}: dtype {dtype!r} is not a weight dtype; one of {sorted(WIRE_DTYPES)}")
+            if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                    for d in shape)):
+                raise ValueError(f"{name!r}: shape {shape!r} is not a list of non-negative sizes")
+
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * WIRE_DTYPES[dtype].itemsize for dtype, shape in zip(self.dtype_names, self.shapes))
 
 
 class GlooWeightTransferEngine(WeightTransferEngine):
@@ -101,7 +129,11 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         """Receive every tensor first, then load: the group stays in step even when loading fails."""
         if self.group is None:
             raise RuntimeError("the rlx_gloo weight transfer is not initialised: POST /init_weight_transfer_engine")
-        tensors = [torch.empty(shape, dtype=getattr(torch, dtype))
+        model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if update_info.nbytes() > UPDATE_SLACK * model_bytes:
+            raise ValueError(f"the update announces {update_info.nbytes()} bytes, more than {UPDATE_SLACK}x the "
+                             f"model's {model_bytes}: refused before allocating")
+        tensors = [torch.empty(shape, dtype=WIRE_DTYPES[dtype])
                    for dtype, shape in zip(update_info.dtype_names, update_info.shapes)]
         broadcast_tensors(self.group, tensors)
         with disable_mtp_completeness_check():  # a chunk holds part of the model, as in vLLM's nccl backend
