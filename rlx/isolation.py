@@ -11,9 +11,11 @@ self_destruct_s), a reply ("ok", value) or ("error", message).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import json
+import logging
 import os
 import pickle
 import pwd
@@ -27,6 +29,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Generic, Self, TypeVar
+
+log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 5.0
 CONFINED_TMP_MB = 256  # a confined child's private /tmp (RAM)
@@ -86,6 +90,7 @@ class ChildProcess:
         env = {**os.environ, "PYTHONPATH": path}
         if confined:
             imports = [_RLX_ROOT, os.getcwd(), *path.split(os.pathsep), *filter(os.path.isabs, sys.path)]
+            _warn_unreadable(tuple(imports))
             spec = {**confinement([*interpreter_paths(sys.executable), *imports], CONFINED_TMP_MB, pid=False),
                     "cwd": os.getcwd(), "fd": theirs.fileno(), "env": {**confined_env(), "PYTHONPATH": path}}
             argv = [sys.executable, "-I", "-S", "-c", CONFINE_SOURCE + "_confined_exec()\n", json.dumps(spec),
@@ -445,6 +450,19 @@ def _confined_exec() -> None:  # pragma: no cover - runs as `python -I -S -c`, s
 
 
 CONFINE_SOURCE = "".join(inspect.getsource(fn) + "\n" for fn in (_unshare, _enter, _build_root, _confined_exec))
+
+
+@functools.cache
+def _warn_unreadable(imports: tuple[str, ...]) -> None:
+    """On a root host confined code runs as CONFINE_USER: an import folder others may not read (a
+    mkdtemp folder, a 0700 project) cannot be imported from there, which the reward's own error
+    ("No module named ...") would not explain."""
+    if os.geteuid() != 0:
+        return
+    closed = sorted({path for path in imports if os.path.isdir(path) and os.stat(path).st_mode & 0o005 != 0o005})
+    if closed:
+        log.warning("reward pool processes run as %r, which may not read %s: modules there will not import "
+                    "(chmod o+rx them, or keep reward code in a readable folder)", CONFINE_USER, ", ".join(closed))
 
 
 def confined_env() -> dict[str, str]:

@@ -119,6 +119,7 @@ def doc_examples(tmp_path, monkeypatch):
     modules = {Path(name).stem for name in examples() if name.endswith(".py")}
     for name, code in examples().items():
         (tmp_path / name).write_text(code + "\n")
+    tmp_path.chmod(0o755)  # on a root host the reward pool's processes run as nobody: they import from here
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
