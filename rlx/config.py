@@ -298,6 +298,11 @@ class RolloutConfig(EngineSettings):
                                   "an agent program that plays each episode through an OpenAI-compatible endpoint "
                                   "(needs reward.name=environment)")
     agent_app_timeout_s: float = Field(300.0, gt=0.0, description="an episode running longer is killed and fails")
+    # an agent app's episode is bounded: a call past a limit is answered 400 and its episode fails (limit)
+    agent_app_max_prompt_tokens: int = Field(4096, ge=1, description="tokens of one call's rendered prompt")
+    agent_app_max_calls: int = Field(32, ge=1, description="model calls per episode")
+    agent_app_max_trajectory_tokens: int = Field(4096, ge=1, description="response tokens (policy and in between) "
+                                                 "of one merged trajectory; a call near it gets fewer new tokens")
 
 
 class JudgeConfig(EngineSettings):

@@ -62,7 +62,7 @@ def check_app(app: str) -> None:
 class AgentAppRunner:
     """Runs episodes of one agent program against one server; `run_episode` is safe from any thread.
 
-    `failures` counts failed episodes by class: error, timeout, crash, bad_value, no_calls."""
+    `failures` counts failed episodes by class: error, timeout, crash, bad_value, no_calls, limit."""
 
     def __init__(self, server: AgentServer, app: str, timeout_s: float, max_workers: int = 8,
                  pool: RewardPool | None = None) -> None:
@@ -85,10 +85,13 @@ class AgentAppRunner:
             value = None
             result.failure, result.error = failure.kind, f"the agent app failed: {failure}"
         finally:
-            calls = self.server.close_episode(episode_id)
+            ended = self.server.close_episode(episode_id)
+        calls = ended.calls
         result.duration_s = time.monotonic() - start
         result.calls, result.trajectories = len(calls), merge_calls(calls)
-        if result.failure is None:
+        if ended.refused is not None:  # whatever the app made of the refusal, the episode went past a limit
+            result.failure, result.error = "limit", f"the agent app went past a limit: {ended.refused}"
+        elif result.failure is None:
             score = check_score(value)
             if score.failed:
                 result.failure, result.error = score.kind, f"the agent app returned a {score.error}"

@@ -12,6 +12,7 @@ failed reward: it is counted and never trained on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 from rlx.agents.agent_app import AgentAppRunner, app_row, check_app
@@ -27,10 +28,12 @@ from rlx.rewards.pool import RewardPool
 
 
 class AgentAppRollout(ConcurrentRollout):
-    def __init__(self, engine, tokenizer, app: str, timeout_s: float, concurrency: int) -> None:
+    def __init__(self, engine, tokenizer, app: str, timeout_s: float, concurrency: int,
+                 limits: ServerLimits | None = None) -> None:
+        """`limits`: an episode's (rollout.agent_app_max_*); the per-call ones come from each `generate`."""
         super().__init__(engine, tokenizer, concurrency)
         check_app(app)
-        self.app, self.timeout_s = app, timeout_s
+        self.app, self.timeout_s, self.limits = app, timeout_s, limits or ServerLimits()
         self.chat = ChatTokens(tokenizer)
         self.pool = RewardPool(concurrency, confined=False)  # warm from one `generate` to the next; reaches the server
         self._runner: AgentAppRunner | None = None
@@ -39,7 +42,7 @@ class AgentAppRollout(ConcurrentRollout):
     def session(self, loop: EngineLoop, params: SamplingParams) -> Iterator[None]:
         """The endpoint lives as long as one `generate`; every call samples at the rollout's settings,
         so the trainer's log-probs (at `rollout.temperature`) are those the engine sampled from."""
-        limits = ServerLimits(max_tokens=params.max_new_tokens, temperature=params.temperature)
+        limits = dataclasses.replace(self.limits, max_tokens=params.max_new_tokens, temperature=params.temperature)
         with AgentServer(loop, self.tokenizer, limits) as server:
             self._runner = AgentAppRunner(server, self.app, self.timeout_s, self.concurrency, pool=self.pool)
             try:

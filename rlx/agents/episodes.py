@@ -43,6 +43,14 @@ class EpisodeClosed(KeyError):
     """The episode is unknown or has ended: a call for it is refused (404), a late one not recorded."""
 
 
+@dataclass(frozen=True)
+class EpisodeCalls:
+    """What an episode recorded, and the first call a limit refused (its message), if one did."""
+
+    calls: list[CallRecord]
+    refused: str | None = None
+
+
 class EpisodeRecorder:
     """The calls of one open episode, in the order they finished; safe from any thread."""
 
@@ -51,6 +59,30 @@ class EpisodeRecorder:
         self._calls: list[CallRecord] = []
         self._lock = threading.Lock()
         self._open = True
+        self._admitted = 0
+        self._refused: str | None = None
+
+    def admit(self, max_calls: int | None) -> bool:
+        """Count a call about to generate; False once `max_calls` were admitted."""
+        with self._lock:
+            if max_calls is not None and self._admitted >= max_calls:
+                return False
+            self._admitted += 1
+            return True
+
+    def refuse(self, reason: str) -> None:
+        """A limit refused a call: the episode ends there (the first reason is kept)."""
+        with self._lock:
+            self._refused = self._refused or reason
+
+    @property
+    def refused(self) -> str | None:
+        with self._lock:
+            return self._refused
+
+    def calls(self) -> list[CallRecord]:
+        with self._lock:
+            return list(self._calls)
 
     def record(self, call: CallRecord) -> None:
         """Raises EpisodeClosed for a call that finished after the episode ended: it is not kept."""
@@ -59,10 +91,10 @@ class EpisodeRecorder:
                 raise EpisodeClosed(self.episode_id)
             self._calls.append(call)
 
-    def close(self) -> list[CallRecord]:
+    def close(self) -> EpisodeCalls:
         with self._lock:
             self._open = False
-            return list(self._calls)
+            return EpisodeCalls(list(self._calls), self._refused)
 
 
 class Episodes:
@@ -85,7 +117,7 @@ class Episodes:
             raise EpisodeClosed(episode_id)
         return recorder
 
-    def close(self, episode_id: str) -> list[CallRecord]:
+    def close(self, episode_id: str) -> EpisodeCalls:
         """The episode's calls; later calls for it are refused and late ones dropped."""
         with self._lock:
             recorder = self._open.pop(episode_id, None)
@@ -98,7 +130,7 @@ class Episodes:
             return len(self._open)
 
 
-def _continued(trajectories: list[Trajectory], prompt_ids: list[int]) -> Trajectory | None:
+def continued(trajectories: list[Trajectory], prompt_ids: list[int]) -> Trajectory | None:
     """The trajectory whose whole context `prompt_ids` starts with: the longest, the latest on a tie."""
     best: Trajectory | None = None
     for trajectory in trajectories:
@@ -113,7 +145,7 @@ def merge_calls(calls: Sequence[CallRecord]) -> list[Trajectory]:
     """Calls (in the order they finished) -> trajectories, by the rule in the module docstring."""
     trajectories: list[Trajectory] = []
     for call in calls:
-        trajectory = _continued(trajectories, call.prompt_ids)
+        trajectory = continued(trajectories, call.prompt_ids)
         if trajectory is None:
             trajectory = Trajectory(list(call.prompt_ids))
             trajectories.append(trajectory)
@@ -129,7 +161,7 @@ def merge_calls(calls: Sequence[CallRecord]) -> list[Trajectory]:
 @dataclass
 class EpisodeResult:
     """One dataset row's episode. `reward` is None when the episode failed: then `failure` is its
-    class (error, timeout, crash, bad_value, no_calls) and `error` says why; a failed episode's
+    class (error, timeout, crash, bad_value, no_calls, limit) and `error` says why; a failed episode's
     trajectories are returned for metrics but carry no reward to train on."""
 
     episode_id: str

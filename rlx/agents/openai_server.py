@@ -43,7 +43,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx.agents.chat import ChatTokens
-from rlx.agents.episodes import CallRecord, EpisodeClosed, EpisodeRecorder, Episodes
+from rlx.agents.episodes import (
+    CallRecord,
+    EpisodeCalls,
+    EpisodeClosed,
+    EpisodeRecorder,
+    Episodes,
+    continued,
+    merge_calls,
+)
 from rlx.agents.parsers import parse_hermes
 from rlx.engines.generation.base import SamplingParams
 from rlx.engines.generation.engine_loop import EngineLoop, EngineLoopStopped
@@ -62,7 +70,11 @@ class ServerLimits:
     """What one call may ask for, and how the server is hardened."""
 
     max_tokens: int = 256  # completion tokens per call (rollout.max_new_tokens: per turn)
-    max_prompt_tokens: int | None = None  # a longer rendered prompt is refused (400)
+    # an episode's limits (rollout.agent_app_max_*): a call past one is refused (400) and the episode
+    # fails (`limit`); a call nearing max_trajectory_tokens gets only the new tokens left
+    max_prompt_tokens: int | None = None  # a rendered prompt's tokens
+    max_calls: int | None = None  # calls per episode
+    max_trajectory_tokens: int | None = None  # response tokens of a merged trajectory (policy and in between)
     temperature: float | None = None  # sample every call at this temperature; None: the request's
     max_body_bytes: int = 8 * 1024 * 1024  # a whole conversation with tool outputs
     max_concurrent: int = 256  # requests in flight (each waits on its generation)
@@ -211,7 +223,7 @@ class AgentServer:
         self.episodes.open(episode_id)
         return episode_id
 
-    def close_episode(self, episode_id: str) -> list[CallRecord]:
+    def close_episode(self, episode_id: str) -> EpisodeCalls:
         return self.episodes.close(episode_id)
 
     def start(self, timeout_s: float = 30.0) -> Self:
@@ -289,20 +301,46 @@ class AgentServer:
             raise ApiError(400, f"the prompt needs at least one token, each id in [0, {vocab})", "prompt")
         return ids
 
-    def _params(self, request: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+    def _params(self, request: SamplingRequest, max_tokens: int | None, budget: int) -> SamplingParams:
         limits = self.limits
         temperature = limits.temperature if limits.temperature is not None else request.temperature
         return SamplingParams(temperature=1.0 if temperature is None else temperature,
                               top_p=1.0 if request.top_p is None else request.top_p,
-                              max_new_tokens=min(max_tokens or limits.max_tokens, limits.max_tokens),
+                              max_new_tokens=min(max_tokens or limits.max_tokens, limits.max_tokens, budget),
                               stop=request.stops(), seed=request.seed)
+
+    def _budget(self, recorder: EpisodeRecorder, prompt_ids: list[int]) -> int:
+        """New tokens this call may generate before the trajectory it continues (or starts) passes
+        `max_trajectory_tokens`; the tokens between that trajectory's context and this prompt count."""
+        cap = self.limits.max_trajectory_tokens
+        if cap is None:
+            return self.limits.max_tokens
+        extended = continued(merge_calls(recorder.calls()), prompt_ids)
+        used = 0 if extended is None else len(extended.response_ids) + len(prompt_ids) - len(extended.context_ids)
+        return cap - used
+
+    def _check_limits(self, recorder: EpisodeRecorder, prompt_ids: list[int]) -> int:
+        """This call's new-token budget; a call past a limit is refused (400) and ends its episode."""
+        limits = self.limits
+        if recorder.refused is not None:
+            raise ApiError(400, f"this episode has ended: {recorder.refused}", "messages", "episode_ended")
+        budget = self._budget(recorder, prompt_ids)
+        if limits.max_prompt_tokens is not None and len(prompt_ids) > limits.max_prompt_tokens:
+            _refuse(recorder, "context_length_exceeded", f"the prompt has {len(prompt_ids)} tokens; this server "
+                    f"takes at most {limits.max_prompt_tokens} (rollout.agent_app_max_prompt_tokens)")
+        if budget < 1:
+            _refuse(recorder, "trajectory_too_long", f"this conversation has {limits.max_trajectory_tokens - budget} "
+                    "response tokens, the most one trajectory may have (rollout.agent_app_max_trajectory_tokens="
+                    f"{limits.max_trajectory_tokens})")
+        if not recorder.admit(limits.max_calls):
+            _refuse(recorder, "too_many_calls", f"this episode made its {limits.max_calls} calls, the most one "
+                    "may make (rollout.agent_app_max_calls)")
+        return budget
 
     async def _generate(self, recorder: EpisodeRecorder, prompt_ids: list[int], request: SamplingRequest,
                         max_tokens: int | None) -> tuple[GenerationResult, CallRecord]:
-        if self.limits.max_prompt_tokens is not None and len(prompt_ids) > self.limits.max_prompt_tokens:
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this server takes at most "
-                                f"{self.limits.max_prompt_tokens}", "messages", "context_length_exceeded")
-        params = self._params(request, max_tokens)
+        budget = await asyncio.to_thread(self._check_limits, recorder, prompt_ids)
+        params = self._params(request, max_tokens, budget)
         try:
             result = await asyncio.wrap_future(self.loop.submit(prompt_ids, params))
         except EngineLoopStopped as stopped:
@@ -332,6 +370,12 @@ class AgentServer:
                 "model": self.model_name, "choices": [choice],
                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                           "total_tokens": prompt + completion}}
+
+
+def _refuse(recorder: EpisodeRecorder, code: str, message: str) -> None:
+    """Refuse a call over an episode limit: the episode ends there and fails (`limit`)."""
+    recorder.refuse(message)
+    raise ApiError(400, f"{message}; the episode ends here and fails", "messages", code)
 
 
 def _check(request: SamplingRequest) -> None:

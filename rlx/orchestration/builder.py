@@ -96,8 +96,11 @@ def build_rollout(config: RunConfig, path: Path) -> Rollout:
         return build_agent_rollout(config, engine, tokenizer, media_processor(config, path))
     if r.agent_app is not None:
         from rlx.agents.app_rollout import AgentAppRollout
+        from rlx.agents.openai_server import ServerLimits
 
-        return AgentAppRollout(engine, tokenizer, r.agent_app, r.agent_app_timeout_s, r.max_batch_size)
+        limits = ServerLimits(max_prompt_tokens=r.agent_app_max_prompt_tokens, max_calls=r.agent_app_max_calls,
+                              max_trajectory_tokens=r.agent_app_max_trajectory_tokens)
+        return AgentAppRollout(engine, tokenizer, r.agent_app, r.agent_app_timeout_s, r.max_batch_size, limits)
     return Rollout(engine, tokenizer, media_processor(config, path))
 
 

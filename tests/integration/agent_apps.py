@@ -100,3 +100,17 @@ def toy_chat(base_url: str, api_key: str, row: dict[str, Any]) -> float:
     if row["metadata"]["index"] % 2:
         raise RuntimeError("this episode's app fails")
     return (zlib.crc32(final.encode()) % 1000) / 1000
+
+
+def calls_until_refused(base_url: str, api_key: str, row: dict[str, Any]) -> float:
+    """Calls the model until the server refuses a call (a limit), then claims full marks."""
+    import openai
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    for _ in range(1000):
+        try:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": row["prompt"]}],
+                                           max_tokens=2)
+        except openai.BadRequestError:
+            break
+    return 1.0

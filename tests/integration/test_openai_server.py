@@ -156,6 +156,54 @@ def test_a_misbehaving_app_fails_only_its_own_episode(server, pool):
     assert len(server.episodes) == 0, "every episode was closed"
 
 
+def test_calls_past_an_episodes_limits_are_refused_and_fail_the_episode(loop, engine_and_tokenizer):
+    """Review security-2026-12-05 N7: prompt tokens per call, calls per episode and a merged
+    trajectory's response tokens are each capped: 400 to the client, and the episode fails (limit)."""
+    limits = ServerLimits(max_tokens=4, max_prompt_tokens=20, max_calls=3, max_trajectory_tokens=12)
+    with AgentServer(loop, engine_and_tokenizer[1], limits) as capped:
+        episode = capped.open_episode()
+        with pytest.raises(openai.BadRequestError, match="rollout.agent_app_max_prompt_tokens") as too_long:
+            _client(capped, episode).completions.create(model="m", prompt=[40] * 21, max_tokens=2)
+        assert too_long.value.code == "context_length_exceeded"
+        with pytest.raises(openai.BadRequestError, match="this episode has ended"):
+            _client(capped, episode).completions.create(model="m", prompt=[40], max_tokens=2)
+        ended = capped.close_episode(episode)
+        assert ended.calls == [] and "agent_app_max_prompt_tokens" in ended.refused
+
+        episode = capped.open_episode()
+        client = _client(capped, episode)
+        for _ in range(3):
+            client.completions.create(model="m", prompt=[40, 41], max_tokens=1)
+        with pytest.raises(openai.BadRequestError, match="rollout.agent_app_max_calls") as too_many:
+            client.completions.create(model="m", prompt=[40, 41], max_tokens=1)
+        assert too_many.value.code == "too_many_calls"
+        ended = capped.close_episode(episode)
+        assert len(ended.calls) == 3 and "made its 3 calls" in ended.refused
+
+        episode = capped.open_episode()
+        client = _client(capped, episode)
+        first = client.completions.create(model="m", prompt=[40, 41], max_tokens=4, temperature=0)
+        (call,) = capped.episodes.get(episode).calls()
+        context = [40, 41, *call.completion_ids, *[42] * 6]  # continues it: 6 tokens in between
+        second = client.completions.create(model="m", prompt=context, max_tokens=4, temperature=0)
+        used = first.usage.completion_tokens + 6
+        assert second.usage.completion_tokens <= 12 - used, "a call near the cap gets only the tokens left"
+        grown = context + capped.episodes.get(episode).calls()[1].completion_ids + [42] * (12 - used)
+        with pytest.raises(openai.BadRequestError, match="rollout.agent_app_max_trajectory_tokens=12"):
+            client.completions.create(model="m", prompt=grown, max_tokens=4)
+        ended = capped.close_episode(episode)
+        assert len(ended.calls) == 2 and "trajectory" in ended.refused
+        assert all(len(t.response_ids) <= 12 for t in merge_calls(ended.calls))
+
+
+def test_an_app_that_calls_past_the_limit_fails_its_episode(loop, engine_and_tokenizer, pool):
+    with AgentServer(loop, engine_and_tokenizer[1], ServerLimits(max_tokens=2, max_calls=4)) as capped, \
+            _runner(capped, pool, "calls_until_refused") as runner:
+        (result,) = runner.run_episodes([{"prompt": "p", "label": "", "metadata": {}}])
+    assert result.failure == "limit" and result.reward is None and result.calls == 4
+    assert "rollout.agent_app_max_calls" in result.error and runner.failures == {"limit": 1}
+
+
 def test_an_app_that_cannot_be_loaded_is_a_config_error(server, pool):
     with pytest.raises(ConfigError, match="rollout.agent_app"):
         check_app(f"{APPS}:missing")
@@ -169,7 +217,7 @@ def test_chat_reply_is_openai_shaped_with_log_probs_as_recorded(server, episode)
     reply = _client(server, episode).chat.completions.create(
         model="gpt-4o", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
         max_tokens=10_000, logprobs=True, temperature=0.8, seed=5)
-    (call,) = server.close_episode(episode)
+    (call,) = server.close_episode(episode).calls
     choice = reply.choices[0]
     assert reply.object == "chat.completion" and reply.model == "rlx-policy"
     assert reply.usage.completion_tokens == len(call.completion_ids) <= MAX_TOKENS, "max_tokens is capped"
@@ -189,7 +237,7 @@ def test_each_call_records_the_weight_version_it_was_generated_with(server, loop
         client.chat.completions.create(model="m", messages=hi, max_tokens=2)
     finally:
         loop.run_on_engine_thread(lambda: engine.load_weights(engine.model.state_dict(), before))
-    first, second = server.close_episode(episode)
+    first, second = server.close_episode(episode).calls
     assert (first.weight_version, first.last_weight_version) == (before, before)
     assert (second.weight_version, second.last_weight_version) == (before + 7, before + 7)
 
@@ -202,7 +250,7 @@ def test_text_completions_and_models(server, episode):
     for empty in ("", [], [10**9]):
         with pytest.raises(openai.BadRequestError, match="at least one token"):
             client.completions.create(model="x", prompt=empty)
-    text_call, ids_call = server.close_episode(episode)
+    text_call, ids_call = server.close_episode(episode).calls
     assert text_call.prompt_ids == server.tokenizer("abc", add_special_tokens=False)["input_ids"]
     assert ids_call.prompt_ids == [40, 41]
     assert reply.choices[0].logprobs.token_logprobs == text_call.logprobs and reply.choices[0].text == text_call.text
@@ -226,7 +274,7 @@ def test_the_guard_and_refusals(server, loop, episode):
             client.chat.completions.create(model="m", messages=hi, **refused)
     with pytest.raises(openai.BadRequestError, match="text content"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
-    assert server.close_episode(episode) == [], "refused calls are not recorded"
+    assert server.close_episode(episode).calls == [], "refused calls are not recorded"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="m", messages=hi)  # the episode has ended
     with AgentServer(loop, server.tokenizer, ServerLimits(max_body_bytes=2048, max_prompt_tokens=8)) as small:
@@ -255,7 +303,7 @@ def test_a_call_still_generating_when_its_episode_ends_is_answered_404_and_not_k
         while not loop._jobs and time.monotonic() < deadline:  # the loop exposes no queue length: read it
             time.sleep(0.01)
         assert loop._jobs, "the call reached the engine loop"
-        assert server.close_episode(episode) == []
+        assert server.close_episode(episode).calls == []
     finally:
         loop.resume()
         caller.join(timeout=30)
@@ -299,7 +347,7 @@ def test_smollm2_chat_turns_merge_and_match_the_templates_render():
         with AgentServer(loop, tokenizer, ServerLimits(max_tokens=24)) as smol:
             episode_id = smol.open_episode()
             conversation(smol.base_url(episode_id), smol.token, row)  # the real openai client, in this process
-            calls = smol.close_episode(episode_id)
+            calls = smol.close_episode(episode_id).calls
     finally:
         loop.stop()
     chat, unrelated = merge_calls(calls)
@@ -309,3 +357,13 @@ def test_smollm2_chat_turns_merge_and_match_the_templates_render():
                 {"role": "user", "content": "Are you sure?"}, {"role": "assistant", "content": second.text}]
     rendered = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
     assert rendered[:len(chat.context_ids)] == chat.context_ids
+
+
+def test_a_runs_agent_app_rollout_takes_its_episode_limits_from_the_config(tiny_path, tmp_path):
+    from rlx.orchestration.builder import build_rollout
+    from tests.integration.test_colocate_loop import toy_config
+
+    config = toy_config(tiny_path, tmp_path, rollout__agent_app=f"{APPS}:conversation", reward__name="environment",
+                        rollout__agent_app_max_calls=5, rollout__agent_app_max_trajectory_tokens=300)
+    limits = build_rollout(config, tiny_path).limits
+    assert (limits.max_calls, limits.max_trajectory_tokens, limits.max_prompt_tokens) == (5, 300, 4096)
