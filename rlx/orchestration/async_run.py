@@ -34,7 +34,7 @@ from rlx.orchestration.builder import (
     prompt_encoder,
     sampling_params,
 )
-from rlx.orchestration.controller import DRAIN_S, Controller
+from rlx.orchestration.controller import CALL_TIMEOUT_S, DRAIN_S, STOP_AFTER_FAILURE_S, Controller
 from rlx.orchestration.evaluation import evaluate
 from rlx.orchestration.faults import DriverFaults
 from rlx.orchestration.health import HealthManager, RoleFailed
@@ -313,6 +313,7 @@ class AsyncRun:
                 if t.time_budget_s is not None and time.perf_counter() - started > t.time_budget_s:
                     self.echo(f"time budget of {t.time_budget_s:.0f}s reached after {self.step} steps")
                     break
+            self._check_shared()  # no final checkpoint from a dead bus or prompt source
             self.stop_requested.set()  # from here a scale request is refused (409)
             self.scaling.acquire()  # a scale operation in flight (the API's or the autoscaler's) finishes first
             if self.autoscaling is not None:
@@ -353,14 +354,16 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False,
     started = time.perf_counter()
     run = AsyncRun(config, run_dir, echo, alerts, faults, inputs)
     writer = MetricsWriter.for_run(run_dir, config, echo=echo)
+    stop_timeout_s = CALL_TIMEOUT_S
     try:
         run.run(writer, started, resume)
     except BaseException as exc:
         alerts.notify("failure", f"{type(exc).__name__}: {exc}")
+        stop_timeout_s = STOP_AFTER_FAILURE_S  # a service may hang on a dead bus: the error is what matters
         raise
     finally:
         writer.close()
-        run.controller.shutdown()
+        run.controller.shutdown(stop_timeout_s)
         SPANS.close()
     plot_run(run_dir)
     return run_dir

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,7 @@ class HeartbeatsClient:
 
 
 CALL_TIMEOUT_S = 600.0  # a checkpoint of a large model can take minutes; anything longer is a hang
+STOP_AFTER_FAILURE_S = 10.0  # a failed run's services all stop within this, or Serve removes them as they are
 
 
 class Controller:
@@ -181,9 +183,13 @@ class Controller:
         the prompt source (the data order and who holds which group) and the heartbeat board."""
         return {"bus": self.bus.actor, "prompts": self.prompts.actor, "heartbeats": self.heartbeats.actor}
 
-    def kill_shared(self, name: str) -> None:
-        """Fault injection (`faults`, roles bus, prompts, heartbeats): kill one shared actor."""
+    def kill_shared(self, name: str, wait_s: float = 30.0) -> None:
+        """Fault injection (`faults`, roles bus, prompts, heartbeats): kill one shared actor, and wait
+        until it is gone, so the driver's next check finds it dead."""
         ray.kill(self.shared_actors()[name], no_restart=True)
+        deadline = time.monotonic() + wait_s
+        while name not in self.lost_shared() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def lost_shared(self, wait_s: float = 1.0) -> list[str]:
         """The shared actors that are dead now; one still busy after `wait_s` counts as alive."""
@@ -209,10 +215,13 @@ class Controller:
             raise TimeoutError(f"the {role} service did not answer {method}{detail} within {timeout_s:.0f}s; "
                                f"see `rlx status` and the {role} replica's log") from error
 
-    def shutdown(self) -> None:
+    def shutdown(self, stop_timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Stop every role's service (each finishes its work and says goodbye), all of them within
+        `stop_timeout_s` (short after a failure: a wedged service goes with Serve anyway), then Serve."""
+        deadline = time.monotonic() + stop_timeout_s
         for role in reversed(list(self.handles)):
             try:
-                self.call_service(role, "stop")
+                self.call_service(role, "stop", timeout_s=max(1.0, deadline - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - a dead replica cannot stop; shutting Serve down removes it anyway
                 self.echo(f"stopping {role}: {type(exc).__name__}: {exc}")
         if ray.is_initialized():
