@@ -372,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    sys.path.insert(0, os.getcwd())  # `reward.name=my_module:fn` resolves from where rlx runs, like uvicorn
+    if os.getcwd() not in sys.path:  # `reward.name=my_module:fn` resolves from where rlx runs; last, so a
+        sys.path.append(os.getcwd())  # file there never shadows an installed module
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-file load/save bars drown the training log

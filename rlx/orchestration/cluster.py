@@ -172,13 +172,15 @@ def start_ray(num_cpus: float | None = None, address: str | None = None,
         ray.init(address=address, log_to_driver=False)
         return
     # This variable keeps a single-node cluster on the loopback interface. Ray reads it when it is
-    # imported, so the driver (already past its import) gets the constant set directly; the
-    # processes Ray starts inherit the variable.
+    # imported, so the driver (already past its import) gets the constant set directly (without it the
+    # node registers with the host's address despite `_node_ip_address`); the processes Ray starts
+    # inherit the variable.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
     enable_token_auth()
     os.environ.setdefault(HOST_ENV, "127.0.0.1")  # the weight channel's rendezvous stays on this machine
     # workers import user code (custom rewards) the way the driver does: from the working directory
+    # (Ray itself also puts the driver's directory first on its workers' path, py_driver_sys_path)
     python_path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
     ray.init(
         address="local",  # always a new cluster: never attach to a crashed run's leftovers

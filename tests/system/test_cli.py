@@ -103,3 +103,12 @@ def test_models_list_shows_builtins():
     out = rlx("models", "list")
     assert out.returncode == 0
     assert "smollm2-135m-instruct" in out.stdout and "tiny-char" in out.stdout
+
+
+def test_a_file_in_the_working_directory_never_shadows_an_installed_module(tmp_path):
+    """The `rlx` command puts its working directory last on the import path (L10): a stray
+    transformers.py there is not imported in place of the library."""
+    (tmp_path / "transformers.py").write_text("raise SystemExit('the working directory shadowed transformers')")
+    out = subprocess.run([Path(sys.executable).parent / "rlx", "models", "list"], check=False, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "tiny-char" in out.stdout, out.stderr
