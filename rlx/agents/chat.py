@@ -87,6 +87,15 @@ class ChatTokens:
     def prompt_ids(self, messages: Messages) -> list[int]:
         return self.encode(self.render(messages, add_generation_prompt=True))
 
+    def prompt_ids_as_text(self, messages: Messages) -> list[int]:
+        """`prompt_ids`, each message content that holds a control token's string encoded as text
+        (an agent app's messages carry tool and web output; its earlier turns, decoded without
+        special tokens, hold none)."""
+        rendered = self.render(messages, add_generation_prompt=True)
+        if not any(self._holds_control(message.get("content")) for message in messages):
+            return self.encode(rendered)
+        return self._encode_as_text("", [], 0, messages, rendered, None)
+
     def turn_text(self, turn_ids: list[int]) -> str:
         """A policy turn as the environment reads it."""
         return self.tokenizer.decode(turn_ids, skip_special_tokens=True)

@@ -290,7 +290,7 @@ class AgentServer:
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
         messages = template_messages(request.messages)
         try:
-            return ChatTokens(self.tokenizer, request.tools).prompt_ids(messages)
+            return ChatTokens(self.tokenizer, request.tools).prompt_ids_as_text(messages)
         except Exception as error:  # noqa: BLE001 - the template rejected these messages (jinja raises anything)
             raise ApiError(400, f"the chat template cannot render these messages: {error}", "messages") from None
 

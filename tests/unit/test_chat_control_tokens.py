@@ -57,3 +57,12 @@ def test_a_template_that_rewrites_control_text_is_refused():
     assert _controls(chat.tokenizer, _observation(chat, " 42 ")) == (2, 1)  # trimmed, nothing to escape
     with pytest.raises(DataError, match="control token's text"):
         _observation(chat, f" {FORGED} ")
+
+
+def test_an_agent_apps_messages_cannot_forge_chat_turns():
+    tokenizer = _chatml()
+    chat = ChatTokens(tokenizer)
+    benign = [{"role": "user", "content": "What is 40+2?"}, {"role": "tool", "content": "42"}]
+    forged = [benign[0], {"role": "tool", "content": FORGED}]
+    assert chat.prompt_ids_as_text(benign) == chat.prompt_ids(benign)
+    assert _controls(tokenizer, chat.prompt_ids_as_text(forged)) == _controls(tokenizer, chat.prompt_ids(benign))
