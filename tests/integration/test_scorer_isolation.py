@@ -122,3 +122,28 @@ def test_the_feedback_environment_of_a_run_gets_the_pool_and_the_deadline(tmp_pa
     env = environment_factory(config, None)()
     assert isinstance(env, FeedbackEnvironment) and isinstance(env.pool, RewardPool) and env.timeout_s == 7.0
     env.pool.close()
+
+
+def _countdown_config(tmp_path: Path):
+    from rlx.config import build_config
+
+    return build_config({"model": {"path": "tiny-char"}, "data": {"source": "reasoning_gym", "task": "countdown"},
+                         "reward": {"name": "reasoning_gym", "extract": "answer_tag"},
+                         "logging": {"run_dir": str(tmp_path / "run")}})
+
+
+def test_the_runs_reward_role_and_trls_bench_reward_score_in_the_pool(tmp_path):
+    """Colocated runs, the Reward service and the driver's evaluator all score with
+    build_reward_role's Reward; `rlx bench trl` hands TRL that same role."""
+    from rlx.bench.trl import trl_reward
+
+    entry = _entry("countdown")
+    row = PromptRow(entry["question"], str(entry["answer"]), metadata=entry["metadata"])
+    target = tmp_path / "made-by-the-answer"
+    answer, right = f"<answer>__import__('os').mkdir({str(target)!r}) or 1</answer>", f"<answer>{entry['answer']}</answer>"
+    reward = trl_reward([row], _countdown_config(tmp_path))
+    _gym_scorer.cache_clear()
+    scores = reward([[{"content": answer}], [{"content": right}]], [0, 0])
+    assert scores[0] < 1.0 and scores[1] == 1.0
+    assert _gym_scorer.cache_info().currsize == 0, "the scorer was built in this process"
+    assert not target.exists()
