@@ -35,7 +35,7 @@ from rlx.data.rows import PromptRow
 from rlx.errors import ConfigError
 from rlx.rewards import load_custom_reward
 from rlx.rewards.pool import RewardFailure, RewardPool, RewardSpec
-from rlx.rewards.safe import check_score
+from rlx.rewards.safe import bounded, check_score
 
 SETTING = "rollout.agent_app"
 TIMEOUT_SETTING = "rollout.agent_app_timeout_s"
@@ -83,7 +83,7 @@ class AgentAppRunner:
                                    self.timeout_s, TIMEOUT_SETTING)
         except RewardFailure as failure:
             value = None
-            result.failure, result.error = failure.kind, f"the agent app failed: {failure}"
+            result.failure, result.error = failure.kind, bounded(f"the agent app failed: {failure}")
         finally:
             ended = self.server.close_episode(episode_id)
         calls = ended.calls

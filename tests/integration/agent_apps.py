@@ -57,6 +57,11 @@ def raises(base_url: str, api_key: str, row: dict[str, Any]) -> float:
     raise RuntimeError("the agent app is broken")
 
 
+def raises_huge(base_url: str, api_key: str, row: dict[str, Any]) -> float:
+    _one_call(base_url, api_key)
+    raise RuntimeError("x" * 10_000_000)  # a 10 MB message
+
+
 def hangs(base_url: str, api_key: str, row: dict[str, Any]) -> float:
     _one_call(base_url, api_key)
     time.sleep(600)
@@ -83,7 +88,7 @@ def by_row(base_url: str, api_key: str, row: dict[str, Any]) -> float:
     if fault is None:
         _one_call(base_url, api_key)
         return row["metadata"]["reward"]
-    return {"raises": raises, "hangs": hangs, "returns_text": returns_text, "exits": exits,
+    return {"raises": raises, "raises_huge": raises_huge, "hangs": hangs, "returns_text": returns_text, "exits": exits,
             "never_calls": never_calls}[fault](base_url, api_key, row)
 
 

@@ -26,6 +26,7 @@ from rlx.engines.generation.engine_loop import EngineLoop
 from rlx.engines.training import collate, token_logprobs
 from rlx.errors import ConfigError
 from rlx.rewards import RewardPool
+from rlx.rewards.safe import MAX_ERROR_CHARS
 
 APPS = "tests.integration.agent_apps"
 MAX_TOKENS = 12
@@ -202,6 +203,13 @@ def test_an_app_that_calls_past_the_limit_fails_its_episode(loop, engine_and_tok
         (result,) = runner.run_episodes([{"prompt": "p", "label": "", "metadata": {}}])
     assert result.failure == "limit" and result.reward is None and result.calls == 4
     assert "rollout.agent_app_max_calls" in result.error and runner.failures == {"limit": 1}
+
+
+def test_an_apps_huge_error_message_is_cut(server, pool):
+    with _runner(server, pool, "by_row") as runner:
+        (result,) = runner.run_episodes([{"prompt": "p", "label": "", "metadata": {"fault": "raises_huge"}}])
+    assert result.failure == "error" and "RuntimeError: xxx" in result.error
+    assert len(result.error) < MAX_ERROR_CHARS + 100
 
 
 def test_an_app_that_cannot_be_loaded_is_a_config_error(server, pool):
