@@ -31,8 +31,8 @@ from tests.integration.test_colocate_loop import toy_config
 from tests.system.test_fault_tolerance import short_groups
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 24
-EVERY = 4  # checkpoint interval: the SIGKILL lands in the save of step 8 or 12
+STEPS = 16
+EVERY = 3  # checkpoint interval: the SIGKILL lands in the save of step 6 or 9, after an earlier one
 
 
 def sigkill_mid_checkpoint(config_file: Path, run_dir: Path, step: int) -> str:
@@ -74,7 +74,7 @@ def test_two_crashes_then_resume_lose_and_repeat_nothing(tiny_path, tmp_path):
     assert int(killed_at.name.split("_")[1]) in (save - EVERY, save)  # the old one, or the new one if it finished
     written_before = len(read_metrics(run_dir))
 
-    bus_kill = save + draw.randint(2, 5)
+    bus_kill = save + draw.randint(2, 4)
     print(f"RLX_KILL_SEED={seed}: the bus actor is killed after step {bus_kill}")
     config.faults = [FaultConfig(role="bus", at_step=bus_kill, kind="kill")]
     with pytest.raises(RoleFailed, match=r"the run's bus actor died after step \d+ \(the bus actor held every row "
