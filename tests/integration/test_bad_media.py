@@ -38,8 +38,10 @@ def _truncated_png(path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("workers", [0, 1], ids=["in_process", "processor_pool"])
-def test_an_undecodable_image_fails_only_its_group(tiny, tmp_path, workers):
+@pytest.mark.parametrize("workers,refill", [(0, False), (1, False), (0, True)],
+                         ids=["in_process", "processor_pool", "async_refill"])
+def test_an_undecodable_image_fails_only_its_group(tiny, tmp_path, workers, refill):
+    """`refill`: the groups after the first come in through `more_groups`, as an async replica's do."""
     model, tokenizer = tiny
     data = DataConfig(media_keys={"image": "images"}, processor_workers=workers)
     if workers:
@@ -56,9 +58,18 @@ def test_an_undecodable_image_fails_only_its_group(tiny, tmp_path, workers):
             for i, item in enumerate([good, bad, good])]
     prompt = tokenizer(with_model_placeholders("<image> which digit?", rollout.placeholder_text),
                        add_special_tokens=False)["input_ids"]
+    groups = [(i, row, prompt) for i, row in enumerate(rows)]
+    waiting = groups[1:] if refill else []
+
+    def more_groups(count: int) -> list:
+        taken = waiting[:count]
+        del waiting[:count]
+        return taken
+
     try:
-        samples = list(rollout.generate([(i, row, prompt) for i, row in enumerate(rows)], N,
-                                        SamplingParams(temperature=1.0, max_new_tokens=4, seed=0)))
+        samples = list(rollout.generate(groups[:1] if refill else groups, N,
+                                        SamplingParams(temperature=1.0, max_new_tokens=4, seed=0),
+                                        more_groups=more_groups if refill else None))
     finally:
         if workers:
             processor.close()
@@ -73,3 +84,29 @@ def test_an_undecodable_image_fails_only_its_group(tiny, tmp_path, workers):
     assert all(s.reward_error.startswith("the rollout failed: ") for s in failed)
     assert all(s.reward_error is None for s in samples if s.group_id != 1)
     assert reward.failures == {"bad_media": N}
+
+
+def test_a_colocated_run_with_an_undecodable_image_finishes_and_counts_it(tiny_vision_path, tmp_path):
+    import json
+
+    from rlx.config import build_config
+    from rlx.obs.metrics import read_metrics
+    from rlx.orchestration.colocate import run_colocate
+
+    (tmp_path / "pics").mkdir()
+    Image.fromarray(np.full((8, 8, 3), 200, np.uint8)).save(tmp_path / "pics" / "good.png")
+    _truncated_png(tmp_path / "pics" / "cut.png")
+    rows = [{"prompt": "<image> which digit?", "label": "1", "images": [f"pics/{'cut' if i == 5 else 'good'}.png"]}
+            for i in range(8)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = build_config({
+        "model": {"path": str(tiny_vision_path)},
+        "data": {"source": "jsonl", "path": str(tmp_path / "rows.jsonl"), "media_keys": {"image": "images"},
+                 "eval_size": 0},
+        "rollout": {"n": N, "prompts_per_step": 4, "max_new_tokens": 3},
+        "reward": {"name": "exact_match", "extract": "last_number"},
+        "train": {"steps": 2, "micro_batch_size": 8, "eval_every": 0, "checkpoint_every": 0},
+        "logging": {"run_dir": str(tmp_path / "run"), "progress_bar": False},
+    })
+    steps = [r for r in read_metrics(run_colocate(config, echo=lambda _: None)) if "reward_failed" in r]
+    assert len(steps) == 2 and sum(r["reward_failed"] for r in steps) == N
