@@ -17,17 +17,21 @@ from rlx.models.tiny import build_tiny
 # one at a time, as the whole suite did before. Every other file is a group of its own (its module
 # fixtures built once, its tests in file order), run beside them on either worker: servers on
 # loopback ports of their own, environment and sandbox processes marked per test. Every file of
-# tests/system is one of them.
+# tests/system is one of them but SYSTEM_BESIDE.
 ONE_AT_A_TIME = {
     "test_bench_agentic.py", "test_cluster_security.py", "test_cuda.py", "test_ray_bus.py",
     "test_sharded_trainer.py", "test_vllm_engine.py", "test_vllm_routed_experts.py",
     "test_vllm_server_adapter.py", "test_weight_sync.py",
 }
+# Files of tests/system that start none of those (colocated runs on one process, the CLI and the TRL
+# bench in subprocesses of their own): whole runs, but nothing the one-at-a-time files must not see,
+# so they run beside them and the worker that holds the one-at-a-time group is not the suite's long pole.
+SYSTEM_BESIDE = {"test_agent_runs.py", "test_bench_trl.py", "test_cli.py", "test_omni_runs.py"}
 
 
 def _one_at_a_time(item: pytest.Item) -> bool:
     path = Path(str(item.path))
-    return path.parent.name == "system" or path.name in ONE_AT_A_TIME
+    return (path.parent.name == "system" and path.name not in SYSTEM_BESIDE) or path.name in ONE_AT_A_TIME
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
