@@ -421,6 +421,7 @@ def test_the_sandbox_holds_for_an_unprivileged_host_user(world_readable_dir):
     assert report["uid"] != 0 and report["capabilities"]["isolated"], report  # the preconditions
     assert report["capabilities"]["unprivileged_user"] and report["driver_connects"]
     check_attacks(report["results"], report["hidden"])
+    check_pool_attacks(report["pool"])
 
 
 def _unprivileged_driver(port: int, hidden: list[str]) -> None:
@@ -428,8 +429,35 @@ def _unprivileged_driver(port: int, hidden: list[str]) -> None:
     socket.create_connection(("127.0.0.1", port), timeout=5).close()  # this user reaches the server
     hidden = [*hidden, host_tmp_file()]
     report = {"uid": os.getuid(), "capabilities": vars(CAPS), "driver_connects": True, "hidden": hidden,
-              "results": attacks(port, hidden)}
+              "results": attacks(port, hidden), "pool": pool_attacks(port)}
     print(json.dumps(report))
+
+
+def pool_attacks(port: int) -> dict[str, object]:
+    """The reward pool's confinement as this user: a custom reward tries to write into a folder anyone
+    may write, to reach the loopback server at `port`, and to read a token from its environment."""
+    from rlx.rewards.pool import RewardFailure, RewardPool, RewardSpec
+
+    folder = tempfile.mkdtemp()
+    os.chmod(folder, 0o777)
+    os.environ["RAY_AUTH_TOKEN"] = "secret"
+    found: dict[str, object] = {}
+    with RewardPool(max_workers=1) as pool:
+        for name, metadata in (("writes_a_file", {"path": f"{folder}/escaped.txt"}), ("connects", {"port": port}),
+                               ("sees", {"variable": "RAY_AUTH_TOKEN"})):
+            spec = RewardSpec(f"tests.integration.escaping_rewards:{name}", "none", None, tuple(sys.path))
+            try:
+                found[name] = pool.call(spec, ("x", "x", metadata), 30.0)
+            except RewardFailure as failure:
+                found[name] = str(failure)
+    found["written"] = os.listdir(folder)
+    return found
+
+
+def check_pool_attacks(found: dict[str, object]) -> None:
+    assert "No such file" in str(found["writes_a_file"]) and found["written"] == [], found
+    assert "Network is unreachable" in str(found["connects"]), found
+    assert found["sees"] == 0.0, found
 
 
 if __name__ == "__main__":
