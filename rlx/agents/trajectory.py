@@ -9,11 +9,12 @@ the trainer scores exactly the tokens the engine sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rlx.media.inputs import with_shown
+
+if TYPE_CHECKING:  # kept off the import path of an environment process (rlx.agents.env_process) and `rlx doctor`
+    import torch
 
 CUT_REASONS = ("length", "max_turns", "max_tokens")  # finish reasons of a trajectory a limit ended
 
@@ -69,6 +70,8 @@ class Trajectory:
             self.behavior_version = version
         self.last_behavior_version = version if last_version is None else last_version
         if routes is not None:
+            import torch
+
             known = 0 if self.routed_experts is None else self.routed_experts.shape[0]
             self.routed_experts = routes if known == 0 else torch.cat([self.routed_experts, routes[known:]])
 

@@ -15,11 +15,12 @@ still encoded once (`rlx.media.encode`).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are joined: an environment process never needs it
+    import torch
 
-MediaInputs = dict[str, torch.Tensor]
+MediaInputs = dict[str, "torch.Tensor"]
 RowMedia = MediaInputs | tuple[MediaInputs | None, ...]  # one object, or parts in placeholder order
 # config attributes that name a placeholder token the model replaces by media features
 PLACEHOLDER_ATTRIBUTES = ("image_token_id", "video_token_id", "audio_token_id", "image_token_index")
@@ -45,6 +46,8 @@ def concat_media(rows: Sequence[RowMedia | None], device: torch.device | str | N
     """One forward's media keyword arguments from its rows' (in row order); {} when none has media.
     Each input joins the rows that have it: a row's images and another's video both reach the model.
     `only`: just these inputs (e.g. the grids positions are computed from)."""
+    import torch
+
     parts = media_parts(rows)
     keys = dict.fromkeys(key for part in parts for key in part if only is None or key in only)
     return {key: torch.cat([part[key] for part in parts if key in part]).to(device) for key in keys}
