@@ -1,9 +1,10 @@
 """Reward: scores each sample (or each group); a failing reward function fails only its samples.
 
-A `PooledReward` (user code, math_verify; see rlx.rewards.pool) runs in a process pool the role
-starts on first use, keeps warm, and stops on `close()` (the next score starts a new one); other
-rewards run in this process. `failures` counts failed samples by class (error, timeout, crash,
-bad_value) for the worker to report.
+A `PooledReward` (every reward but rlx's own string matching: user code, reasoning_gym,
+math_verify; see rlx.rewards.build_reward) runs in a process pool the role starts on first use,
+keeps warm, and stops on `close()` (the next score starts a new one); other rewards run in this
+process. `failures` counts failed samples by class (error, timeout, crash, bad_value, and
+bad_media for a group whose media would not decode) for the worker to report.
 """
 
 from __future__ import annotations
