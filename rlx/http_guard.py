@@ -165,7 +165,9 @@ class BoundedH11(H11Protocol):
         self._await_head()
         if len(self.connections) > MAX_CONNECTIONS:  # the oldest idle one goes (this one, if no other is idle)
             idle = [c for c in self.connections if isinstance(c, BoundedH11) and c.idle()]
-            min(idle, key=lambda c: c.opened_at).transport.close()
+            oldest = min(idle, key=lambda c: c.opened_at)
+            oldest.transport.close()
+            self.connections.discard(oldest)  # uncounted now: its connection_lost comes a loop turn later
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
