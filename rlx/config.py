@@ -329,6 +329,9 @@ class RewardConfig(Section):
         "sample", description="a custom reward scores one response (fn(completion, label, metadata)) or a whole "
         "group (fn(completions, label, metadata) -> list of scores)")
     timeout_s: float = Field(60.0, gt=0.0, description="a reward call running longer fails its samples")
+    allow_unconfined: bool = Field(False, description="where this host cannot confine reward processes (no user "
+                                   "namespaces), run rewards that read model text unconfined instead of refusing "
+                                   "to start")
     format_pattern: str | None = Field(None, description="reward.name=format: regex the whole completion must "
                                        "match (default <think>..</think><answer>..</answer>)")
     judge: JudgeConfig = Field(default_factory=JudgeConfig)

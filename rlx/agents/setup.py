@@ -56,8 +56,9 @@ def environment_factory(config: RunConfig, toolbox: ToolBox | None) -> Environme
                                          **agent.environment_options)
     from rlx.rewards import PooledReward, RewardPool, build_reward
 
-    score = build_reward(config.reward.name, config.reward.extract, config.reward.format_pattern)
-    pool = RewardPool(rollout_concurrency(config)) if isinstance(score, PooledReward) else None
+    r = config.reward
+    score = build_reward(r.name, r.extract, r.format_pattern, r.allow_unconfined)
+    pool = RewardPool(rollout_concurrency(config), confined=score.confined) if isinstance(score, PooledReward) else None
     return ENVIRONMENTS.get(agent.environment)(score=score, system_prompt=system_prompt,
                                                timeout_s=config.reward.timeout_s, pool=pool,
                                                **agent.environment_options)

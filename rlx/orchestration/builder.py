@@ -121,7 +121,7 @@ def media_processor(config: RunConfig, path: Path) -> MediaProcessor | None:
 
 def build_genrm(config: RunConfig) -> GenRM:
     judge = config.reward.judge
-    parse = build_judge_parser(judge.parser)  # a bad parser fails before the judge model loads
+    parse = build_judge_parser(judge.parser, config.reward.allow_unconfined)  # a bad parser fails before the judge model loads
     engine, tokenizer = generation_engine(config, judge, resolve_model_path(judge.model), judge.max_batch_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=judge.max_new_tokens)
     return GenRM(engine, tokenizer, judge.prompt, parse, judge.max_score, params, timeout_s=judge.timeout_s,
@@ -269,7 +269,7 @@ def build_reward_role(config: RunConfig) -> Reward | GenRM:
     r = config.reward
     if r.name == "genrm":
         return build_genrm(config)
-    return Reward(build_reward(r.name, r.extract, r.format_pattern), max_length=config.rollout.max_new_tokens,
+    return Reward(build_reward(r.name, r.extract, r.format_pattern, r.allow_unconfined), max_length=config.rollout.max_new_tokens,
                   overlong_buffer=r.overlong_buffer, overlong_factor=r.overlong_penalty, scope=r.scope,
                   timeout_s=r.timeout_s)
 

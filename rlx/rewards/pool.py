@@ -1,12 +1,14 @@
 """A process pool for reward code that may misbehave, so it fails only its own samples.
 
 What runs where:
-- in the pool: custom `module:function` rewards (user code), `math_verify` (sympy can run for
-  minutes on an adversarial answer) and `format` with a user `reward.format_pattern` (a regex can
-  backtrack for ever). Such code may hold the GIL past its deadline, call sys.exit or end the
-  interpreter; a pool process can be killed for it and replaced, a thread cannot.
-- in the caller's process: the trusted, fast built-ins (exact_match, multiple_choice,
-  reasoning_gym, format with its default pattern).
+- in the pool: every scorer that may evaluate the model's text or run for ever on it: custom
+  `module:function` rewards (user code), `reasoning_gym` (some of its scorers eval or sympy-parse
+  the answer), `math_verify` (sympy can run for minutes on an adversarial answer) and `format`
+  with a user `reward.format_pattern` (a regex can backtrack for ever). Such code may hold the GIL
+  past its deadline, call sys.exit or end the interpreter; a pool process can be killed for it and
+  replaced, a thread cannot.
+- in the caller's process: rlx's own string matching (exact_match, multiple_choice, format with
+  its default pattern), which never evaluates what it reads.
 
 Workers are plain `python -m rlx.rewards.pool_process` subprocesses (not multiprocessing), so they
 never re-import the parent's `__main__` (a Ray worker, pytest), and each talks over its own socket
@@ -44,10 +46,11 @@ class RewardSpec:
 
 
 class PooledReward:
-    """A reward the Reward role runs in its pool; calling it directly runs it in this process."""
+    """A reward the Reward role runs in its pool; calling it directly runs it in this process.
+    `confined`: whether the pools that run it confine their processes (rlx.rewards.pool_confinement)."""
 
-    def __init__(self, spec: RewardSpec, fn: RewardFn) -> None:
-        self.spec, self.fn = spec, fn
+    def __init__(self, spec: RewardSpec, fn: RewardFn, confined: bool = True) -> None:
+        self.spec, self.fn, self.confined = spec, fn, confined
 
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
@@ -62,6 +65,19 @@ class _Worker(ChildProcess):
     def __init__(self, confined: bool = True) -> None:
         super().__init__("rlx.rewards.pool_process", "reward", confined)
         self.loaded: set[RewardSpec] = set()
+
+
+@functools.cache
+def confinement_problem() -> str | None:
+    """Why this host cannot confine reward processes, or None: found once per process by starting one."""
+    worker = _Worker(confined=True)
+    try:
+        worker.started(START_TIMEOUT_S)
+    except ProcessFailure as failure:
+        return str(failure)
+    finally:
+        worker.stop()
+    return None
 
 
 class RewardPool(ProcessPool[_Worker]):

@@ -42,7 +42,7 @@ class Reward:
             return None
         with self._lock:
             if self._pool is None:
-                self._pool = RewardPool(self.pool_size)
+                self._pool = RewardPool(self.pool_size, confined=self.reward_fn.confined)
             return self._pool
 
     def close(self) -> None:

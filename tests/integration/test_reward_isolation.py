@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from rlx.data.sample import Sample
+from rlx.errors import ConfigError
 from rlx.rewards import RewardPool, RewardSpec, build_reward
 from rlx.rewards.pool import _Worker
 from rlx.roles import Reward
@@ -221,3 +222,27 @@ def test_a_worker_reply_is_plain_data_of_bounded_size(pool, tmp_path):
     sample = _escapes(pool, "replies_at_length", {})
     assert "sent a reply over 1048576 bytes; it was killed" in sample.reward_error
     assert _escapes(pool, "sees", {"variable": "RAY_AUTH_TOKEN"}).reward == 0.0  # the pool serves on
+
+
+def test_a_host_that_cannot_confine_refuses_pooled_rewards_unless_allowed(monkeypatch):
+    """Stands in for a host without user namespaces (a container that blocks unshare): the probe's
+    answer is injected. A reward that reads model text refuses to build, naming the switch; with the
+    switch it runs in unconfined processes; rlx's own string matching needs no pool either way."""
+    import rlx.rewards as rewards
+
+    monkeypatch.setattr(rewards, "confinement_problem", lambda: "the process could not be confined (EPERM)")
+    monkeypatch.setenv("RLX_API_TOKEN", "secret")
+    with pytest.raises(ConfigError, match=r"could not be confined \(EPERM\).*reward\.allow_unconfined=true"):
+        build_reward("reasoning_gym", "answer_tag")
+    with pytest.raises(ConfigError, match="reward.allow_unconfined"):
+        build_reward(f"{BAD}:misbehaves", "none")
+    assert not isinstance(build_reward("exact_match", "none"), rewards.PooledReward)
+    unconfined = build_reward(f"{ESCAPING}:sees", "none", allow_unconfined=True)
+    assert unconfined.confined is False
+    reward = Reward(unconfined, timeout_s=10.0, pool_size=1)
+    try:
+        [sample] = reward.score([Sample(uid=0, group_id=0, response_text="x", label="x",
+                                        metadata={"variable": "RLX_API_TOKEN"})])
+        assert (sample.reward, sample.reward_error) == (1.0, None)  # unconfined: it sees the token
+    finally:
+        reward.close()
