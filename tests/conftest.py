@@ -26,7 +26,8 @@ ONE_AT_A_TIME = {
 # Files of tests/system that start none of those (colocated runs on one process, the CLI and the TRL
 # bench in subprocesses of their own): whole runs, but nothing the one-at-a-time files must not see,
 # so they run beside them and the worker that holds the one-at-a-time group is not the suite's long pole.
-SYSTEM_BESIDE = {"test_agent_runs.py", "test_bench_trl.py", "test_cli.py", "test_omni_runs.py"}
+SYSTEM_BESIDE = {"test_agent_runs.py", "test_bench_trl.py", "test_cli.py", "test_omni_runs.py",
+                 "test_moe_runs.py", "test_smollm2.py", "test_vision_runs.py"}
 
 
 def _one_at_a_time(item: pytest.Item) -> bool:

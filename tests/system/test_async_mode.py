@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import psutil
+import pytest
 
 from rlx.obs.metrics import read_metrics
 from rlx.orchestration.async_run import run_async
@@ -95,3 +96,59 @@ def assert_every_replica_recorded_spans(run_dir, versions: list[int], others: tu
         assert any(name == "start" for _, name in by_process[role]), role
     publishes = sorted(e["args"]["version"] for e in trace["traceEvents"] if e["name"] == "publish")
     assert publishes == versions
+
+
+@pytest.mark.slow  # a Ray cluster and a Serve deployment per role: about a minute here
+def test_async_media_travel_the_ray_bus_once_per_group(tiny_vision_path, tmp_path):
+    """Image RL (tests/system/test_vision_runs.py) in async mode: each group's images on the Ray bus once."""
+    from tests.system.test_vision_runs import digits_config  # skips without scikit-learn's digits
+
+    config = digits_config(tiny_vision_path, tmp_path, mode="async", max_staleness=0, steps=2, eval_every=0)
+    run_dir = run_async(config, echo=lambda _: None)
+    steps = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert steps and all(r["rollout_logprob_abs_diff"] < 1e-4 for r in steps)
+
+
+@pytest.mark.slow  # loads the real SmolLM2 model in every role's replica
+def test_an_async_smollm2_run_records_every_role(tmp_path):
+    """The trace of a real async run (SmolLM2 on chain_sum, every role its own Serve replica): each
+    role's replica recorded spans, nested within each thread (`rlx timeline`)."""
+    from rlx.config import build_config
+
+    config = build_config({
+        "model": {"path": "smollm2-135m-instruct"},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "train_size": 200, "eval_size": 16,
+                 "task_params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}},
+        "rollout": {"n": 4, "prompts_per_step": 2, "max_new_tokens": 16, "temperature": 1.0},
+        "reward": {"name": "reasoning_gym", "extract": "last_number"},
+        "train": {"mode": "async", "max_staleness": 1, "steps": 2, "micro_batch_size": 8, "eval_every": 0},
+        "logging": {"run_dir": str(tmp_path / "run"), "progress_bar": False},
+    })
+    run_dir = run_async(config, echo=lambda _: None)
+    assert_every_replica_recorded_spans(run_dir, versions=[1, 2])
+
+
+def test_async_moe_routes_reach_every_trainer_role_and_survive_a_resume(tmp_path):
+    """R3 (tests/system/test_moe_runs.py) in async mode: the routes travel over the bus to the Actor,
+    ActorFwd and Reference services, through a checkpoint and a resume."""
+    from rlx.models.tiny import build_tiny
+    from rlx.orchestration.run_dir import latest_checkpoint
+    from rlx.run_state import load_run_state
+
+    moe_path = build_tiny(tmp_path / "tiny-moe", moe_family="qwen3_moe")
+    config = toy_config(moe_path, tmp_path, train__steps=2, train__mode="async", train__max_staleness=1,
+                        rollout__prompts_per_step=2, train__checkpoint_every=1, algorithm__kl_coef=0.1,
+                        algorithm__routing_replay="r3")
+    assert config.algorithm.resolved_correction == "decoupled"  # ActorFwd runs, and replays too
+    run_dir = run_async(config, echo=lambda _: None)
+    rows = load_run_state(latest_checkpoint(run_dir))["bus"]["rows"]
+    stored = [row[3]["routed_experts"] for row in rows if "routed_experts" in row[3]]
+    assert stored, "no row on the bus at the checkpoint carried its routes"
+    assert all(r.dtype.is_floating_point is False and r.shape[1:] == (2, 2) for r in stored)
+
+    resumed = run_async(config.model_copy(update={"train": config.train.model_copy(update={"steps": 4})}),
+                        resume=True, echo=lambda _: None)
+    steps = [r for r in read_metrics(resumed) if "reward_mean" in r]
+    assert [int(r["step"]) for r in steps] == [1, 2, 3, 4]
+    trained = [r for r in steps if "loss" in r]  # a step whose groups all had equal rewards trains on nothing
+    assert trained and all("route_mismatch_fraction" in r and "kl" in r for r in trained)

@@ -1,5 +1,6 @@
-"""R3 runs end to end on a tiny Qwen3-MoE: colocated, and async with the routes travelling over
-the bus to the Actor, ActorFwd and Reference services, through a checkpoint and a resume."""
+"""R3 runs end to end on a tiny Qwen3-MoE, colocated (beside the one-at-a-time tests); the async run,
+routes travelling over the bus to the Actor, ActorFwd and Reference services through a checkpoint
+and a resume, is in test_async_mode.py."""
 
 from __future__ import annotations
 
@@ -7,10 +8,7 @@ import pytest
 
 from rlx.models.tiny import build_tiny
 from rlx.obs.metrics import read_metrics
-from rlx.orchestration.async_run import run_async
 from rlx.orchestration.colocate import run_colocate
-from rlx.orchestration.run_dir import latest_checkpoint
-from rlx.run_state import load_run_state
 from tests.integration.test_colocate_loop import toy_config
 
 
@@ -31,21 +29,3 @@ def test_a_colocated_moe_run_replays_routes_by_default(moe_path, tmp_path):
     # the unreplayed forward runs on the steps routing_mismatch_every picks (versions 0 and 2)
     assert ["rollout_logprob_abs_diff_unreplayed" in r for r in steps] == [True, False, True]
 
-
-def test_async_routes_reach_every_trainer_role_and_survive_a_resume(moe_path, tmp_path):
-    config = toy_config(moe_path, tmp_path, train__steps=2, train__mode="async", train__max_staleness=1,
-                        rollout__prompts_per_step=2, train__checkpoint_every=1, algorithm__kl_coef=0.1,
-                        algorithm__routing_replay="r3")
-    assert config.algorithm.resolved_correction == "decoupled"  # ActorFwd runs, and replays too
-    run_dir = run_async(config, echo=lambda _: None)
-    rows = load_run_state(latest_checkpoint(run_dir))["bus"]["rows"]
-    stored = [row[3]["routed_experts"] for row in rows if "routed_experts" in row[3]]
-    assert stored, "no row on the bus at the checkpoint carried its routes"
-    assert all(r.dtype.is_floating_point is False and r.shape[1:] == (2, 2) for r in stored)
-
-    resumed = run_async(config.model_copy(update={"train": config.train.model_copy(update={"steps": 4})}),
-                        resume=True, echo=lambda _: None)
-    steps = [r for r in read_metrics(resumed) if "reward_mean" in r]
-    assert [int(r["step"]) for r in steps] == [1, 2, 3, 4]
-    trained = [r for r in steps if "loss" in r]  # a step whose groups all had equal rewards trains on nothing
-    assert trained and all("route_mismatch_fraction" in r and "kl" in r for r in trained)

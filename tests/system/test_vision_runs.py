@@ -1,6 +1,7 @@
 """Image RL end to end on a tiny LLaVA and scikit-learn's digits: each prompt group's images are
 processed once, stored once on the bus, and reach the rollout engine, the Reference and the
-Actor; the language model stays frozen while the vision side trains (`train.trainable`)."""
+Actor; the language model stays frozen while the vision side trains (`train.trainable`). Colocated
+runs only (they run beside the one-at-a-time tests): the async one is in test_async_mode.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from rlx.config import build_config
 from rlx.models import load_pretrained
 from rlx.models.vision import VISION_PARAMETERS
 from rlx.obs.metrics import read_metrics
-from rlx.orchestration.async_run import run_async
 from rlx.orchestration.colocate import run_colocate
 from rlx.orchestration.run_dir import latest_checkpoint
 
@@ -64,14 +64,6 @@ def test_a_colocated_run_sees_the_images_everywhere_and_trains_only_the_vision_s
     evaluated = json.loads(capsys.readouterr().out)
     assert evaluated["eval_size"] == 16
     assert evaluated["eval_accuracy"] == [r for r in records if "eval_accuracy" in r][-1]["eval_accuracy"]
-
-
-@pytest.mark.slow  # a Ray cluster and a Serve deployment per role: about a minute here
-def test_async_media_travel_the_ray_bus_once_per_group(tiny_vision_path, tmp_path):
-    config = digits_config(tiny_vision_path, tmp_path, mode="async", max_staleness=0, steps=2, eval_every=0)
-    run_dir = run_async(config, echo=lambda _: None)
-    steps = [r for r in read_metrics(run_dir) if "loss" in r]
-    assert steps and all(r["rollout_logprob_abs_diff"] < 1e-4 for r in steps)
 
 
 def test_a_multi_turn_run_carries_each_rows_image_into_every_turn_and_shows_a_new_one(tiny_vision_path, tmp_path):
