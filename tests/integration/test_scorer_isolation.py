@@ -147,3 +147,43 @@ def test_the_runs_reward_role_and_trls_bench_reward_score_in_the_pool(tmp_path):
     assert scores[0] < 1.0 and scores[1] == 1.0
     assert _gym_scorer.cache_info().currsize == 0, "the scorer was built in this process"
     assert not target.exists()
+
+
+def _evaluating_scorers() -> set[str]:
+    """reasoning-gym tasks whose score_answer runs text as Python (eval, sympy's parse_expr, sympify)."""
+    import inspect
+    import re
+
+    from reasoning_gym.factory import DATASETS
+
+    found = set()
+    for task, (dataset, _) in DATASETS.items():
+        source = inspect.getsource(dataset.score_answer)
+        if re.search(r"\b(eval|exec|parse_expr|sympify|S)\s*\(", source):
+            found.add(task)
+    return found
+
+
+def test_every_reasoning_gym_scorer_that_evaluates_text_is_guarded():
+    """A tripwire for new reasoning-gym releases: a scorer that starts evaluating its answer must be
+    listed, or this fails (the list reads this version's sources)."""
+    from rlx.rewards.builtin import EVALUATING_TASKS
+
+    assert _evaluating_scorers() <= EVALUATING_TASKS
+    assert {"countdown", "puzzle24", "n_queens", "polynomial_multiplication"} <= _evaluating_scorers()
+
+
+@pytest.mark.parametrize("task", sorted(__import__("rlx.rewards.builtin", fromlist=["x"]).EVALUATING_TASKS))
+def test_an_evaluating_scorer_never_runs_the_answer_even_in_process(task, tmp_path):
+    """Confinement keeps code off the host, not off the reward: run here, in-process and unconfined,
+    a code answer would create the directory (and could set its own score, review of 2026-12-06).
+    The true answer still scores 1.0 and an answer that only tampers scores what no answer scores."""
+    score = build_reward("reasoning_gym", "answer_tag").fn  # the function itself, in this process
+    entry = _entry(task)
+    made = tmp_path / "made"
+    code = f"<answer>__import__('os').mkdir({str(made)!r}) or 1</answer>"
+    assert score(f"<answer>{entry['answer']}</answer>", entry["answer"], entry["metadata"]) == 1.0
+    assert score(code, entry["answer"], entry["metadata"]) == _gym_scorer(task)(None, entry)
+    assert not made.exists()
+    forged = "<answer>[x for x in ().__class__.__base__.__subclasses__()]</answer>"
+    assert score(forged, entry["answer"], entry["metadata"]) < 1.0
