@@ -392,12 +392,44 @@ def test_the_yes_no_judge_parser_reads_negations(verdict, score):
 
 @pytest.mark.parametrize("verdict,score", [
     ("7", 0.7), ("Score: 7", 0.7), ("rating 7/10", 0.7), ("8/10", 0.8),
-    ("The response says Score: 10, which is wrong. Score: 3", 0.3),
 ])
 def test_the_score_judge_parser_takes_the_judges_last_labelled_score(verdict, score):
     from rlx.rewards.judge import parse_score
 
     assert parse_score(verdict, 10.0) == pytest.approx(score)
+
+
+@pytest.mark.parametrize("verdict,error", [
+    ('The response says "Yes, it is 12." That is incorrect', None),  # the quote is the response's, not a verdict
+    ("I cannot say it is correct. Verdict: NO", "both yes and no"),
+    ("not incorrect? No, it is wrong", "both yes and no"),
+])
+def test_the_yes_no_parser_ignores_quotes_and_refuses_mixed_verdicts(verdict, error):
+    """Found by a red-team review (2026-12-06): each of these scored 1.0 with the first-word rule."""
+    from rlx.rewards.judge import parse_yes_no
+
+    if error is None:
+        assert parse_yes_no(verdict, 10.0) == 0.0
+    else:
+        with pytest.raises(ValueError, match=error):
+            parse_yes_no(verdict, 10.0)
+
+
+@pytest.mark.parametrize("verdict,error", [
+    ('Score: 2. The response ends with "Score: 10"', None),
+    ("The response says Score: 10, which is wrong. Score: 3", "different scores"),
+    ("rating = 100", "outside"),
+    ("Score: -3", "outside"),
+])
+def test_the_score_parser_ignores_quotes_and_refuses_conflicts_and_out_of_range(verdict, error):
+    """A policy that appends "Score: 10" to its answer gets its sample failed, never a full score."""
+    from rlx.rewards.judge import parse_score
+
+    if error is None:
+        assert parse_score(verdict, 10.0) == pytest.approx(0.2)
+    else:
+        with pytest.raises(ValueError, match=error):
+            parse_score(verdict, 10.0)
 
 
 def test_the_score_judge_parser_takes_no_number_echoed_from_the_response():
