@@ -80,16 +80,19 @@ class ChildProcess:
     """One child process running `module` and the parent's end of its socket pair. `label` names it
     in errors ("the reward process ..."). `confined`: isolate it once as it starts (`confinement`: no
     network, the interpreter and the import path read-only, a private /tmp, no tokens in its
-    environment, unprivileged) before it imports anything."""
+    environment, unprivileged) before it imports anything. `imports=False` shows it the interpreter
+    and rlx's own package only, not the working directory or the rest of the import path (where a
+    checkout keeps its data and run directories)."""
 
-    def __init__(self, module: str, label: str, confined: bool = False) -> None:
+    def __init__(self, module: str, label: str, confined: bool = False, imports: bool = True) -> None:
         self.label, self.confined = label, confined
         ours, theirs = socket.socketpair()
         path = os.pathsep.join(filter(None, [_RLX_ROOT, os.environ.get("PYTHONPATH")]))
         argv = [sys.executable, "-m", module, str(theirs.fileno())]
         env = {**os.environ, "PYTHONPATH": path}
         if confined:
-            imports = [_RLX_ROOT, os.getcwd(), *path.split(os.pathsep), *filter(os.path.isabs, sys.path)]
+            imports = ([_RLX_ROOT, os.getcwd(), *path.split(os.pathsep), *filter(os.path.isabs, sys.path)]
+                       if imports else [os.path.join(_RLX_ROOT, "rlx")])
             _warn_unreadable(tuple(imports))
             spec = {**confinement([*interpreter_paths(sys.executable), *imports], CONFINED_TMP_MB, pid=False),
                     "cwd": os.getcwd(), "fd": theirs.fileno(), "env": {**confined_env(), "PYTHONPATH": path}}

@@ -54,11 +54,11 @@ def environment_factory(config: RunConfig, toolbox: ToolBox | None) -> Environme
                               "e.g. [{name: calculator}]")
         return ENVIRONMENTS.get("tools")(toolbox, build_parser(agent.parser), system_prompt, agent.examples,
                                          **agent.environment_options)
-    from rlx.rewards import PooledReward, RewardPool, build_reward
+    from rlx.rewards import PooledReward, build_reward
 
     r = config.reward
     score = build_reward(r.name, r.extract, r.format_pattern, r.allow_unconfined)
-    pool = RewardPool(rollout_concurrency(config), confined=score.confined) if isinstance(score, PooledReward) else None
+    pool = score.new_pool(rollout_concurrency(config)) if isinstance(score, PooledReward) else None
     return ENVIRONMENTS.get(agent.environment)(score=score, system_prompt=system_prompt,
                                                timeout_s=config.reward.timeout_s, pool=pool,
                                                **agent.environment_options)

@@ -52,6 +52,11 @@ class PooledReward:
     def __init__(self, spec: RewardSpec, fn: RewardFn, confined: bool = True) -> None:
         self.spec, self.fn, self.confined = spec, fn, confined
 
+    def new_pool(self, max_workers: int) -> RewardPool:
+        """A pool for this reward: user code (`module:function`) sees its import path, rlx's own
+        scorers only the interpreter and rlx (not the working directory, its data or its runs)."""
+        return RewardPool(max_workers, confined=self.confined, imports=":" in self.spec.name)
+
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
 
@@ -62,8 +67,8 @@ class PooledReward:
 class _Worker(ChildProcess):
     """One pool process, and the rewards it has built."""
 
-    def __init__(self, confined: bool = True) -> None:
-        super().__init__("rlx.rewards.pool_process", "reward", confined)
+    def __init__(self, confined: bool = True, imports: bool = True) -> None:
+        super().__init__("rlx.rewards.pool_process", "reward", confined, imports)
         self.loaded: set[RewardSpec] = set()
 
 
@@ -83,10 +88,12 @@ def confinement_problem() -> str | None:
 class RewardPool(ProcessPool[_Worker]):
     """Up to `max_workers` warm reward processes; `call` runs one reward call with a deadline.
     `confined` (the default): each process is isolated once as it starts (rlx.isolation.confinement),
-    so a call costs nothing more; False only for code that must reach the network (agent apps)."""
+    so a call costs nothing more; False only for code that must reach the network (agent apps).
+    `imports`: whether its processes see the import path (user code) or only the interpreter and rlx."""
 
-    def __init__(self, max_workers: int = 8, start_timeout_s: float = START_TIMEOUT_S, confined: bool = True) -> None:
-        super().__init__(functools.partial(_Worker, confined), max_workers, "reward")
+    def __init__(self, max_workers: int = 8, start_timeout_s: float = START_TIMEOUT_S, confined: bool = True,
+                 imports: bool = True) -> None:
+        super().__init__(functools.partial(_Worker, confined, imports), max_workers, "reward")
         self.start_timeout_s = start_timeout_s
 
     def call(self, spec: RewardSpec, args: tuple, timeout_s: float | None,

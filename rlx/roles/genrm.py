@@ -58,7 +58,7 @@ class GenRM:
             return None
         with self._lock:
             if self._pool is None:
-                self._pool = RewardPool(1, confined=self.parse.confined)
+                self._pool = self.parse.new_pool(1)
             return self._pool
 
     def judge_prompt(self, sample: Sample) -> list[int]:

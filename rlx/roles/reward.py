@@ -42,7 +42,7 @@ class Reward:
             return None
         with self._lock:
             if self._pool is None:
-                self._pool = RewardPool(self.pool_size, confined=self.reward_fn.confined)
+                self._pool = self.reward_fn.new_pool(self.pool_size)
             return self._pool
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ import pytest
 from rlx.data.sample import Sample
 from rlx.errors import ConfigError
 from rlx.rewards import RewardPool, RewardSpec, build_reward
-from rlx.rewards.pool import _Worker
+from rlx.rewards.pool import RewardFailure, _Worker
 from rlx.roles import Reward
 
 BAD = "tests.integration.bad_rewards"
@@ -246,3 +246,18 @@ def test_a_host_that_cannot_confine_refuses_pooled_rewards_unless_allowed(monkey
         assert (sample.reward, sample.reward_error) == (1.0, None)  # unconfined: it sees the token
     finally:
         reward.close()
+
+
+def test_rlx_own_scorers_run_where_the_working_directory_is_not_visible():
+    """A built-in scorer's pool sees the interpreter and rlx alone: the working directory (a checkout
+    with its data, labels and runs) is not there, so user code from it cannot even be imported,
+    while the same reward in a user reward's pool can (a red-team review read the labels there)."""
+    reasoning = build_reward("reasoning_gym", "answer_tag")
+    spy = RewardSpec(f"{ESCAPING}:sees", "none", None, tuple(sys.path))
+    entry = {"source_dataset": "chain_sum"}
+    with reasoning.new_pool(1) as own:
+        assert own.call(reasoning.spec, ("<answer>3</answer>", "3", entry), 30.0) == 1.0
+        with pytest.raises(RewardFailure, match="No module named 'tests"):
+            own.call(spy, ("x", "x", {"variable": "HOME"}), 30.0)
+    with build_reward(f"{ESCAPING}:sees", "none").new_pool(1) as users:
+        assert users.call(spy, ("x", "x", {"variable": "RLX_NOT_SET"}), 30.0) == 0.0
