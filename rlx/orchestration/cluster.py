@@ -146,7 +146,7 @@ def ray_temp_dir() -> Path:
     path = Path(tempfile.gettempdir()) / f"rlx-ray-{os.getuid()}"
     try:
         path.mkdir(mode=0o700)
-    except FileExistsError:
+    except FileExistsError:  # an earlier run's: checked below to be this user's own directory
         pass
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():

@@ -223,7 +223,7 @@ class UrlEngines:
             if engine.probing is not None:
                 try:
                     engine.probing.result(timeout=timeout_s)
-                except FutureTimeout:
+                except FutureTimeout:  # still late: the next `observe` counts it unanswered
                     pass
 
     def _drop(self, engine: UrlEngine, why: str) -> None:
