@@ -12,6 +12,7 @@ printed with each kill instant, so a failure can be replayed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rlx.config import FaultConfig
@@ -43,15 +45,26 @@ def sigkill_mid_checkpoint(config_file: Path, run_dir: Path, step: int) -> str:
     job = subprocess.Popen([str(rlx), "train", str(config_file)], cwd=REPO, start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     staging, done = checkpoint_path(run_dir, step).with_suffix(".partial"), checkpoint_path(run_dir, step)
+    run = psutil.Process(job.pid)
+    started: set[psutil.Process] = set()  # every process of the run seen so far: Ray's leave the group
     try:
-        deadline = time.monotonic() + 300
+        deadline, seen_at = time.monotonic() + 300, 0.0
         while not staging.exists() and not done.exists():
             assert job.poll() is None, "the run ended before it could be killed"
             assert time.monotonic() < deadline, f"no checkpoint of step {step} within 300 s"
+            if time.monotonic() > seen_at:
+                started |= set(run.children(recursive=True))
+                seen_at = time.monotonic() + 0.5
             time.sleep(0.001)
+        started |= set(run.children(recursive=True))
     finally:
-        os.killpg(job.pid, signal.SIGKILL)  # the driver and every process it started
+        os.killpg(job.pid, signal.SIGKILL)
         job.wait()
+        # a replica Ray started outside the group must not finish a checkpoint after the "crash"
+        for process in started:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(started, timeout=30)
     return f"mid-save of {staging.name}" if staging.exists() else f"right after the save of step {step}"
 
 
