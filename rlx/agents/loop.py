@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from rlx.agents.chat import ChatTokens, TemplateDrift, check_template
 from rlx.agents.environments import Environment, EnvironmentFactory, opening_messages
 from rlx.agents.trajectory import Trajectory
+from rlx.config import MEDIA_MODALITIES
 from rlx.data.media import row_media
 from rlx.data.prompts import with_model_placeholders
 from rlx.data.rows import DataError, Messages, PromptRow
@@ -41,7 +42,6 @@ from rlx.data.sample import Sample
 from rlx.engines.generation.base import SamplingParams
 from rlx.engines.generation.engine_loop import EngineLoop
 from rlx.media.inputs import MediaInputs
-from rlx.media.loading import MEDIA_KINDS
 from rlx.rewards.safe import bounded
 from rlx.roles.rollout import Group, Rollout
 
@@ -236,8 +236,8 @@ class AgentRollout(ConcurrentRollout):
         if self.processor is None:
             raise DataError(f"{where} shows media, but the run has no media processor: set data.media_keys "
                             "(e.g. {image: images}; rows need not carry any) with a model that takes media")
-        if unknown := set(media) - set(MEDIA_KINDS):
-            raise DataError(f"{where}: EnvStep.media has {sorted(unknown)}; its keys are {', '.join(MEDIA_KINDS)}")
+        if unknown := set(media) - set(MEDIA_MODALITIES):
+            raise DataError(f"{where}: EnvStep.media has {sorted(unknown)}; its keys are {', '.join(MEDIA_MODALITIES)}")
         limits = self.processor.limits
         shown = PromptRow(prompt="", label="", source=where,
                           media=row_media(media, where, {kind: kind for kind in media}, limits, limits.root_dir))

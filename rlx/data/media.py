@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rlx.config import MEDIA_MODALITIES, MediaKind
 from rlx.errors import DataError
-from rlx.media.loading import MEDIA_KINDS, MediaItem, MediaKind, checked_image_array, checked_path
+from rlx.media.loading import MediaItem, checked_image_array, checked_path
 
 if TYPE_CHECKING:
     from rlx.config import MediaLimits
@@ -105,7 +106,7 @@ def check_placeholders(prompt: str | list[dict[str, str]], media: Media, where: 
     """Each modality's `<kind>` placeholders in the prompt (all chat messages) must equal its items."""
     texts = [prompt] if isinstance(prompt, str) else [message["content"] for message in prompt]
     problems = []
-    for kind in MEDIA_KINDS:
+    for kind in MEDIA_MODALITIES:
         marker, items = f"<{kind}>", len(media.get(kind, ()))
         marks = sum(text.count(marker) for text in texts)
         if marks == items:

@@ -21,17 +21,16 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rlx.config import MEDIA_MODALITIES, MediaKind
 from rlx.errors import DataError
 
 if TYPE_CHECKING:
     from rlx.config import MediaLimits
 
-MediaKind = Literal["image", "audio", "video"]
-MEDIA_KINDS: tuple[MediaKind, ...] = ("image", "audio", "video")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # Pillow decoders tried; no others are exposed
 DIGITS_SCALE_MAX = 16
 LOADERS = {"image": "rlx.media.loading.load_image", "audio": "rlx.media.audio.load_audio",
@@ -49,8 +48,8 @@ class MediaItem:
     array: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in MEDIA_KINDS:
-            raise ValueError(f"MediaItem.kind={self.kind!r}; use one of {', '.join(MEDIA_KINDS)}")
+        if self.kind not in MEDIA_MODALITIES:
+            raise ValueError(f"MediaItem.kind={self.kind!r}; use one of {', '.join(MEDIA_MODALITIES)}")
         given = [name for name in ("path", "data", "array") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"a MediaItem holds exactly one of path, data, array; got {given or 'none'}")

@@ -426,3 +426,36 @@ def test_media_rows_take_an_agent_environment_but_not_an_agent_app():
     with pytest.raises(ConfigError, match="an agent app's calls carry text only: unset rollout.agent_app"):
         load_config(None, [*media, "rollout.agent_app=tests.integration.agent_apps:toy_chat",
                            "reward.name=environment"])
+
+
+def _config_modules():
+    import importlib
+    import pkgutil
+    from pathlib import Path
+
+    import rlx.config
+
+    folder = Path(rlx.config.__file__).parent
+    return folder, [importlib.import_module(f"rlx.config.{m.name}") for m in pkgutil.iter_modules([str(folder)])]
+
+
+def test_config_modules_stay_small():
+    folder, _ = _config_modules()
+    sizes = {path.name: len(path.read_text().splitlines()) for path in folder.glob("*.py")}
+    assert {name: lines for name, lines in sizes.items() if lines > 400} == {}, "split the section's module"
+
+
+def test_every_sections_rules_are_collected():
+    """A rule beside its section counts only once `run.py` lists it: one left out would never fire."""
+    import inspect
+
+    from rlx.config.run import CONFLICTS, WARNINGS
+
+    _, modules = _config_modules()
+    conflicts = [m.conflicts for m in modules if hasattr(m, "conflicts")]
+    warnings = [f for m in modules for name, f in inspect.getmembers(m, inspect.isfunction)
+                if f.__module__ == m.__name__ and not name.startswith("_")
+                and inspect.signature(f).return_annotation == "str | None"]
+    assert sorted(f.__qualname__ + f.__module__ for f in conflicts) == sorted(
+        f.__qualname__ + f.__module__ for f in CONFLICTS), "list each module's conflicts in run.CONFLICTS"
+    assert set(warnings) == set(WARNINGS) and len(WARNINGS) == len(set(WARNINGS)), "list each warning in run.WARNINGS"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 import json
 import struct
@@ -12,12 +13,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rlx.config import ConfigError, DataConfig, MediaLimits, load_config
+from rlx.config import MEDIA_MODALITIES, ConfigError, DataConfig, MediaLimits, load_config
 from rlx.data import load_splits
 from rlx.data.digits import PROMPT, digits_splits
 from rlx.data.files import load_rows
 from rlx.errors import DataError
-from rlx.media.loading import MediaItem, load_image
+from rlx.media.loading import LOADERS, MediaItem, load_image
 
 KEYS = ("prompt", "label", "metadata")
 IMAGES = {"image": "images"}
@@ -138,6 +139,18 @@ def test_media_item_holds_exactly_one_source():
         MediaItem("image")
     with pytest.raises(ValueError, match="kind"):
         MediaItem("picture", path="a.png")
+
+
+def test_every_modality_the_config_accepts_has_a_loader():
+    """The modalities are declared once, in the config; a new one is refused by the loaders' own error
+    paths (`LOADERS[item.kind]`) until it has a loader, and a renamed loader breaks the name errors give."""
+    for kind in MEDIA_MODALITIES:
+        DataConfig(media_keys={kind: "files"})  # the config takes it
+        MediaItem(kind, path="a")  # and so does a row's media item
+    assert set(LOADERS) == set(MEDIA_MODALITIES)
+    for kind, name in LOADERS.items():
+        module, _, function = name.rpartition(".")
+        assert callable(getattr(importlib.import_module(module), function)), f"LOADERS[{kind!r}] = {name}"
 
 
 # ------------------------------------------------------------------------------------------ refusals
