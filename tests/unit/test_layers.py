@@ -6,6 +6,8 @@ Both read grimp's graph of module- and function-level imports, without `if TYPE_
 
 from __future__ import annotations
 
+import configparser
+import re
 from pathlib import Path
 
 from importlinter.application.use_cases import SUCCESS, lint_imports
@@ -33,6 +35,21 @@ def test_layer_contracts_hold(capsys):
     result = lint_imports(config_filename=str(REPO / ".importlinter"), cache_dir=None, no_logo=True)
     report = capsys.readouterr().out
     assert result == SUCCESS, report[report.find("Broken contracts"):] or report
+
+
+def test_the_contract_is_the_docs_table():
+    """`.importlinter`'s layers are docs/architecture.md's table: each package or module a row names
+    sits in the row's layer, and every layer's package has a row."""
+    config = configparser.ConfigParser()
+    config.read(REPO / ".importlinter")
+    layers = [line for line in config["importlinter:contract:layers"]["layers"].splitlines() if line.strip()]
+    contract = {name.strip(): n for n, line in enumerate(layers, 1) for name in line.split(":")}
+    section = (REPO / "docs" / "architecture.md").read_text().split("## Layers")[1].split("\n## ")[0]
+    table = {}
+    for layer, paths in re.findall(r"^\| (\d) \| (.+?) \|", section, flags=re.MULTILINE):
+        for path in re.findall(r"`rlx/([a-z_]+)", paths):
+            table.setdefault(path, set()).add(int(layer))
+    assert {name: {n} for name, n in contract.items()} == table
 
 
 def test_at_most_one_import_circle():
