@@ -20,7 +20,7 @@ import decimal
 import math
 from fractions import Fraction
 
-from rlx.agents.tools import TOOLS, Tool, ToolError
+from rlx.agents.tool import Tool, ToolError
 
 _BITS_PER_DIGIT = math.log2(10)
 MAX_DEPTH = 200  # nesting of operators: counted, not left to Python's recursion limit, which libraries raise
@@ -34,7 +34,6 @@ _PARAMETERS = {
 }
 
 
-@TOOLS.register("calculator")
 class Calculator(Tool):
     name = "calculator"
     description = ("Evaluates an arithmetic expression exactly. Supports + - * / // % ** and parentheses "

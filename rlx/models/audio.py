@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.models.folders import save_model_folder
+from rlx.models.loading import load_pretrained
 from rlx.models.text_weights import copy_text_weights
 
 if TYPE_CHECKING:
@@ -224,20 +225,18 @@ def whisper_tiny_en() -> WhisperForConditionalGeneration:
     return model.eval()
 
 
-def build_smollm2_audio(target: Path, window_positions: int = BUILTIN_WINDOW_POSITIONS) -> Path:
+def build_smollm2_audio(target: Path, text_folder: Path, window_positions: int = BUILTIN_WINDOW_POSITIONS) -> Path:
     """The built-in `smollm2-135m-audio` folder: SmolLM2-135M-Instruct (the built-in, built on first
     use) with Whisper tiny.en's encoder and a random projector (seed 0). The encoder keeps Whisper's
     weights exactly but only its first `window_positions` positional embeddings: it reads windows of
     2 x `window_positions` mel frames (5 s by default) instead of Whisper's 30 s, so a clip of a few
     seconds costs a sixth of the compute (the padding of a 30 s window is most of it)."""
-    from rlx.models import load_pretrained, resolve_model_path
-
     whisper = whisper_tiny_en()
     encoder = whisper.config
     tower = AudioTower(mel_bins=encoder.num_mel_bins, hidden=encoder.d_model, ffn=encoder.encoder_ffn_dim,
                        layers=encoder.encoder_layers, heads=encoder.encoder_attention_heads,
                        positions=window_positions)
-    text_model, tokenizer = load_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    text_model, tokenizer = load_pretrained(text_folder)
     model = add_audio_tower(text_model, tokenizer, tower)
     state = whisper.model.encoder.state_dict()
     state["embed_positions.weight"] = state["embed_positions.weight"][:window_positions]

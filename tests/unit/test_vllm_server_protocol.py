@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlx.engines.generation.base import GenerationRequest, SamplingParams
-from rlx.engines.generation.vllm import sampling_fields
+from rlx.engines.generation.vllm_common import sampling_fields
 from rlx.engines.generation.vllm_server import (
     VLLMServerEngine,
     VLLMServerError,

@@ -10,25 +10,16 @@ requests one at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from rlx.engines.generation.base import GenerationEngine, GenerationRequest, GenerationResult, SamplingParams
+from rlx.engines.generation.base import (
+    EngineSpec,
+    GenerationEngine,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
 from rlx.generation_engines import GENERATION_ENGINES, EngineFactory
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What every backend needs to start: a Hugging Face folder and how to run it."""
-
-    path: Path
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_batch_size: int = 64
-    seed: int = 0
-    options: dict[str, Any] = field(default_factory=dict)  # backend-specific (`rollout.engine_options`)
-    record_routes: bool = False  # MoE: return each result's `routed_experts` (R3)
 
 
 def build_generation_engine(kind: str, spec: EngineSpec) -> tuple[GenerationEngine, Any]:

@@ -5,12 +5,26 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from rlx.media.inputs import RowMedia
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every backend needs to start: a Hugging Face folder and how to run it."""
+
+    path: Path
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch_size: int = 64
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)  # backend-specific (`rollout.engine_options`)
+    record_routes: bool = False  # MoE: return each result's `routed_experts` (R3)
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from rlx.engines.generation import EngineSpec
-from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams
+from rlx.engines.generation.base import EngineSpec, GenerationRequest, GenerationResult, SamplingParams
 from rlx.engines.generation.server_client import (
     ServerEngine,
     ServerError,

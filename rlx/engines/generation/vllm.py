@@ -45,8 +45,14 @@ from typing import Any
 
 import torch
 
-from rlx.engines.generation import EngineSpec
-from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams, StreamingEngine
+from rlx.engines.generation.base import (
+    EngineSpec,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    StreamingEngine,
+)
+from rlx.engines.generation.vllm_common import meta_model, sampling_fields
 from rlx.errors import ConfigError
 from rlx.model_kinds import is_moe_model
 from rlx.models.moe import NOT_RECORDED, ROUTE_DTYPE
@@ -163,15 +169,6 @@ def _prepack_cpu_experts(worker: Any) -> None:
             experts.process_weights_after_loading(layer)
 
 
-def meta_model(path: str) -> torch.nn.Module:
-    """The folder's model without weights (meta device): what transformers needs to know how its
-    in-memory weight names map back to the checkpoint's."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-
-
 def _restore_environ(saved: dict[str, str]) -> None:
     """Undo changes to the environment, except vLLM's own `VLLM_*` variables (it may read them later)."""
     for key in set(os.environ) | set(saved):
@@ -181,23 +178,6 @@ def _restore_environ(saved: dict[str, str]) -> None:
             os.environ[key] = saved[key]
         else:
             del os.environ[key]
-
-
-def sampling_fields(params: SamplingParams, request_id: int) -> dict[str, Any]:
-    """vLLM's `SamplingParams` fields for one request, in-process or sent to a server: the sampled
-    token's log-prob only, no text unless a stop string must be matched, and a seed made distinct
-    per request so a group's samples differ."""
-    return {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "max_tokens": params.max_new_tokens,
-        "stop_token_ids": list(params.stop_token_ids),
-        "stop": list(params.stop),
-        "seed": None if params.seed is None else params.seed + request_id,
-        "logprobs": 0,
-        "detokenize": bool(params.stop),
-    }
 
 
 @dataclass

@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from rlx.engines.generation import EngineSpec
-from rlx.engines.generation.base import GenerationRequest, GenerationResult, SamplingParams
+from rlx.engines.generation.base import EngineSpec, GenerationRequest, GenerationResult, SamplingParams
 from rlx.engines.generation.server_client import (
     MAX_GROUP_TIMEOUT_S,
     ServerEngine,
@@ -59,7 +58,7 @@ from rlx.engines.generation.server_client import (
     token_problem,
     vocab_size,
 )
-from rlx.engines.generation.vllm import meta_model, sampling_fields
+from rlx.engines.generation.vllm_common import meta_model, sampling_fields
 from rlx.errors import ConfigError
 from rlx.models import load_tokenizer
 from rlx.weights.broadcast import rendezvous_host, serve_store

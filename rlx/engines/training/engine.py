@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import json
 import math
 import warnings
 from collections.abc import Callable
@@ -27,10 +26,13 @@ from rlx.checkpoints import staged_checkpoint
 from rlx.config import TrainConfig
 from rlx.engines.training.batch import TokenBatch
 from rlx.engines.training.forward import token_logprobs
+from rlx.engines.training.placement import ONE_PROCESS, Placement
 from rlx.engines.training.schedule import lr_multiplier
 
 if TYPE_CHECKING:  # transformers costs seconds to import; services without a model skip it
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from rlx.weights.buckets import Bucket
 
 LossFn = Callable[[TokenBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 # (model, batch, with_entropy, bf16) -> ([B, R] per-response-token output, [B, R] entropy or None)
@@ -55,10 +57,12 @@ def freeze_all_but(model: PreTrainedModel, patterns: list[str]) -> list[torch.nn
 class TrainingEngine:
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: TrainConfig, temperature: float,
-        forward: Forward | None = None,
+        forward: Forward | None = None, placement: Placement = ONE_PROCESS,
     ) -> None:
-        """`forward` defaults to the policy's token log-probs; a value model passes `token_values`."""
+        """`forward` defaults to the policy's token log-probs; a value model passes `token_values`.
+        `placement`: where the parameters live (a rank of a group: `rlx.engines.training.fsdp`)."""
         self.model = model
+        self.placement = placement
         self.tokenizer = tokenizer
         self.config = config
         self.temperature = temperature
@@ -93,7 +97,7 @@ class TrainingEngine:
         micro_batches = list(batch.micro_batches(self.config.micro_batch_size))
         parts = [
             self.forward(self.model, mb, bf16=self.config.bf16_autocast)[0].cpu()
-            for mb in self._in_lockstep(micro_batches)
+            for mb in self.placement.in_lockstep(micro_batches)
         ][: len(micro_batches)]
         self.model.train(training)
         width = batch.response_width
@@ -125,14 +129,16 @@ class TrainingEngine:
         """One optimizer update from the gradients accumulated since the last: scaled, clipped, stepped.
 
         A non-finite loss or gradient norm skips it: the gradients are dropped and the weights and
-        optimizer state stay the previous, finite ones (the update is counted, never applied)."""
+        optimizer state stay the previous, finite ones (the update is counted, never applied).
+        Sharded, the ranks' gradients arrive averaged: `world` multiplies them back to their sum."""
+        grad_scale *= self.placement.world
         if grad_scale != 1.0:
             for param in self.model.parameters():
                 if param.grad is not None:
                     param.grad.mul_(grad_scale)
         grad_norm = self._clip_gradients()
         self._pending = False
-        if self._all_ranks(self._finite) and math.isfinite(grad_norm):
+        if self.placement.all_true(self._finite) and math.isfinite(grad_norm):
             self.optimizer.step()
             self.updates += 1
             self._norms.append(grad_norm)
@@ -143,20 +149,14 @@ class TrainingEngine:
         self.nonfinite_skipped += 1
 
     def _clip_gradients(self) -> float:
-        """Clip the gradients to `grad_clip` in total norm; returns the norm before clipping."""
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
-
-    def _in_lockstep(self, micro_batches: list[TokenBatch]) -> list[TokenBatch]:
-        """The passes to run so that every rank runs as many (one process: these)."""
-        return micro_batches
-
-    def _all_ranks(self, flag: bool) -> bool:
-        """Whether `flag` holds on every rank (one process: here)."""
-        return flag
+        """Clip the gradients to `grad_clip` in total norm; returns the norm before clipping (whole:
+        sharded, the norm is a DTensor, gathered here)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         """`values` summed key by key over the ranks (one process: as they are)."""
-        return values
+        return self.placement.sum(values)
 
     def tensor_bytes(self) -> dict[str, int]:
         """Bytes this process holds of parameters, gradients and optimizer state (its shards, when sharded)."""
@@ -199,7 +199,11 @@ class TrainingEngine:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The current weights, detached, for publishing to generation engines."""
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        return self.placement.weights(self.model)
+
+    def weight_buckets(self, bucket_bytes: int) -> tuple[list[Bucket], list]:
+        """On a rank of a group: the whole weights into the object store, bucket by bucket."""
+        return self.placement.weight_buckets(self.model, bucket_bytes)
 
     def frozen_weights(self) -> frozenset[str]:
         """Names in `weights()` no step changes: parameters `train.trainable` froze, but for one
@@ -219,40 +223,20 @@ class TrainingEngine:
         return directory
 
     def write_checkpoint(self, folder: Path, extra_state: dict, extra_files: dict[str, bytes] | None = None) -> None:
-        """Model (a HF folder), optimizer, state and `extra_files` into `folder`, which the caller
-        makes durable and marks complete; several engines may share one checkpoint this way."""
-        self.export(folder)
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                   folder / "optimizer.pt")
-        (folder / "trainer_state.json").write_text(json.dumps({"step": self.step, **extra_state}, indent=2))
-        for name, content in (extra_files or {}).items():
-            (folder / name).write_bytes(content)
+        """Model (a HF folder; sharded: each rank's slices), optimizer, state and `extra_files` into
+        `folder`, which the caller makes durable and marks complete; several engines may share one
+        checkpoint this way. On a rank of a group every rank must call it, with the same `folder`."""
+        self.placement.write_checkpoint(self, folder, extra_state, extra_files)
 
     def load_checkpoint(self, directory: Path) -> dict:
-        """Restore model, optimizer and step; returns the rest of the trainer state. Reads data only:
-        safetensors, JSON, and the optimizer with `weights_only=True` (no pickled code runs)."""
-        from safetensors.torch import load_file
-
+        """Restore model, optimizer and step from a one-process or a sharded checkpoint (onto any
+        number of ranks); returns the rest of the trainer state. Reads data only: safetensors, JSON,
+        and the optimizer with `weights_only=True` (no pickled code runs)."""
         if is_sharded(directory):
-            from rlx.engines.training.fsdp import load_sharded_checkpoint
+            from rlx.engines.training.restore import load_sharded_checkpoint  # torch.distributed.checkpoint
 
             return load_sharded_checkpoint(self, directory)
-        state = load_file(directory / "model.safetensors")
-        if not state.keys() <= self.model.state_dict().keys():
-            # transformers writes some families (MoE experts) in their original per-expert layout;
-            # `from_pretrained` converts them back to the model's own (fused) layout
-            dtype = next(self.model.parameters()).dtype
-            state = type(self.model).from_pretrained(directory, dtype=dtype, use_safetensors=True).state_dict()
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        tied = {k for k in missing if k == "lm_head.weight" and self.model.config.tie_word_embeddings}
-        if set(missing) - tied or unexpected:
-            raise ValueError(f"checkpoint {directory} does not match the model: missing={missing} unexpected={unexpected}")
-        optim = torch.load(directory / "optimizer.pt", weights_only=True)
-        self.optimizer.load_state_dict(optim["optimizer"])
-        self.scheduler.load_state_dict(optim["scheduler"])
-        state = json.loads((directory / "trainer_state.json").read_text())
-        self.step = state.pop("step")
-        return state
+        return self.placement.load_checkpoint(self, directory)
 
     def export(self, directory: Path) -> Path:
         """A Hugging Face folder: loadable with `AutoModelForCausalLM.from_pretrained`."""

@@ -1,5 +1,5 @@
-"""The FSDP2 training engine: one rank of a trainer's rank group (and `ShardedReference`, the
-forward-only roles' counterpart).
+"""FSDP2: a model sliced over the ranks of a process group (one rank of a trainer's or of a
+forward-only role's rank group).
 
 Every rank holds a slice of each parameter, of its gradient and of its AdamW state
 (`torch.distributed.fsdp.fully_shard` on each decoder layer, then on the root); a forward gathers a
@@ -8,36 +8,31 @@ summed losses; FSDP2 averages the gradients over the ranks (gloo has no pre-scal
 update multiplies them back by the number of ranks and divides once by the step's *global* token
 (or sequence) count: the update does not depend on the number of ranks.
 
-The rank group (`rlx.orchestration.rank_group`) runs every call on every rank in lockstep; all
-collectives (gathers in forward and backward, the gradient norm, the finiteness vote, the metric
-sums, the bucket-by-bucket weight gather) happen in the same order on each. Checkpoints are
-sharded: each rank writes its own slices (`rlx.checkpoint_shards`), and a checkpoint loads onto
-any number of ranks.
+The engine and the roles are the one-process classes (`TrainingEngine`, `rlx.roles.Reference`);
+`Fsdp2` is their placement (`rlx.engines.training.placement`) on a rank. The rank group
+(`rlx.orchestration.rank_group`) runs every call on every rank in lockstep; all collectives
+(gathers in forward and backward, the gradient norm, the finiteness vote, the metric sums, the
+bucket-by-bucket weight gather) happen in the same order on each. Checkpoints are sharded: each
+rank writes its own slices (`rlx.checkpoint_shards`), and a checkpoint loads onto any number of
+ranks (`rlx.engines.training.restore`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from rlx.checkpoint_shards import is_sharded, read_index, read_whole, write_index, write_shard
+from rlx.checkpoint_shards import write_index, write_shard
 from rlx.config import TrainConfig
-from rlx.data.sample import Sample
-from rlx.engines.training.batch import TokenBatch
-from rlx.engines.training.engine import TrainingEngine
-from rlx.roles.reference import Reference
+from rlx.engines.training.engine import Forward, TrainingEngine
+from rlx.engines.training.restore import restore
 from rlx.weights.buckets import Bucket, pack_flat, plan_buckets
 
 if TYPE_CHECKING:
@@ -78,41 +73,24 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-class ShardedTrainingEngine(TrainingEngine):
-    """`TrainingEngine` over FSDP2-sharded parameters, on one rank of an initialised process group."""
+class Fsdp2:
+    """The placement of an FSDP2-sharded model on one rank of an initialised process group."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: TrainConfig,
-                 temperature: float, forward=None) -> None:
+    def __init__(self) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("the sharded training engine runs on a rank of a process group: start it through "
+            raise RuntimeError("an FSDP2-sharded role runs on a rank of a process group: start it through "
                                "rlx.orchestration.rank_group.RankGroup")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if config.activation_checkpointing:  # before sharding: the layers keep their checkpoint wrappers
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        shard_model(model, config)
-        # every rank must run the same forwards in lockstep: one per micro-batch, never the prompt-once pair
-        super().__init__(model, tokenizer, config.model_copy(update={"activation_checkpointing": False,
-                                                                     "share_prompts": False}),
-                         temperature, forward)
-        # the base engine's bf16 autocast is replaced by FSDP2's mixed precision (bf16 gathered parameters)
-        self.config = config.model_copy(update={"param_dtype": "float32"})
 
-    def update(self, grad_scale: float = 1.0) -> None:
-        super().update(grad_scale * self.world)  # FSDP2 averaged the ranks' gradient sums
+    def in_lockstep(self, passes: list[T]) -> list[T]:
+        return in_lockstep(passes)
 
-    def _clip_gradients(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-
-    def _in_lockstep(self, micro_batches: list[TokenBatch]) -> list[TokenBatch]:
-        return in_lockstep(micro_batches)
-
-    def _all_ranks(self, flag: bool) -> bool:
+    def all_true(self, flag: bool) -> bool:
         vote = torch.tensor([1 if flag else 0])
         dist.all_reduce(vote, op=dist.ReduceOp.MIN)
         return bool(vote.item())
 
-    def sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+    def sum(self, values: dict[str, float]) -> dict[str, float]:
         gathered: list[dict[str, float]] = [{} for _ in range(self.world)]
         dist.all_gather_object(gathered, values)
         total: dict[str, float] = {}
@@ -121,16 +99,25 @@ class ShardedTrainingEngine(TrainingEngine):
                 total[key] = total.get(key, 0.0) + value
         return total
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def after_forward(self, model: torch.nn.Module) -> None:
+        """FSDP2 keeps the root's parameters gathered after a forward, for a backward that never comes."""
+        model.reshard()
+
+    def load_weights(self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+
+    def weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         raise RuntimeError("a rank holds slices of the weights: whole weights leave a rank group through "
                            "weight_buckets (RankGroup.weights and RankGroup.publish)")
 
-    def weight_buckets(self, bucket_bytes: int) -> tuple[list[Bucket], list[ray.ObjectRef]]:
+    def weight_buckets(self, model: torch.nn.Module, bucket_bytes: int) -> tuple[list[Bucket], list[Any]]:
         """The whole weights into the object store, one bucket at a time: every rank gathers the
         bucket's tensors and rank 0 puts the packed bucket, so no rank ever holds the whole model
         beside its shard. Rank 0 returns the layout (a single-process Actor's, tied weights sent
         once) and the buckets' refs; the other ranks return nothing. Every rank must call it."""
-        state = self.model.state_dict()
+        import ray  # the object store is the rank group's way out; the engine itself needs no Ray
+
+        state = model.state_dict()
         layout = [plan_buckets(state, bucket_bytes) if self.rank == 0 else None]
         dist.broadcast_object_list(layout, src=0)  # planned where no shard is empty
         refs = []
@@ -140,15 +127,17 @@ class ShardedTrainingEngine(TrainingEngine):
                 refs.append(ray.put(pack_flat(whole, bucket).cpu().numpy()))
         return (layout[0], refs) if self.rank == 0 else ([], [])
 
-    def write_checkpoint(self, folder: Path, extra_state: dict, extra_files: dict[str, bytes] | None = None) -> None:
+    def write_checkpoint(self, engine: TrainingEngine, folder: Path, extra_state: dict,
+                         extra_files: dict[str, bytes] | None) -> None:
         """Each rank writes its slices; rank 0 then the index, the model's config and tokenizer, the
-        trainer state and `extra_files`. Every rank must call it, with the same `folder`."""
+        trainer state and `extra_files`."""
+        model = engine.model
         # a tied weight (lm_head = embeddings) is one parameter with two state-dict names: saved once,
         # under the name named_parameters gives it, on every rank alike
-        own_names = {name for name, _ in self.model.named_parameters()} | {name for name, _ in self.model.named_buffers()}
-        model_state = [(name, t) for name, t in self.model.state_dict().items() if name in own_names]
+        own_names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        model_state = [(name, t) for name, t in model.state_dict().items() if name in own_names]
         tensors, shapes = {}, {}
-        for prefix, named in (("model/", model_state), ("optim/", self._optimizer_tensors())):
+        for prefix, named in (("model/", model_state), ("optim/", _optimizer_tensors(engine))):
             for name, tensor in named:
                 key = prefix + name
                 shapes[key] = list(tensor.shape)
@@ -159,93 +148,46 @@ class ShardedTrainingEngine(TrainingEngine):
         write_shard(folder, self.rank, self.world, tensors)
         dist.barrier()
         if self.rank == 0:
-            groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-            write_index(folder, self.world, shapes, {"param_groups": groups, "scheduler": self.scheduler.state_dict()})
-            self.model.config.save_pretrained(folder)
-            self.tokenizer.save_pretrained(folder)
-            (folder / "trainer_state.json").write_text(json.dumps({"step": self.step, **extra_state}, indent=2))
+            groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
+            write_index(folder, self.world, shapes, {"param_groups": groups,
+                                                     "scheduler": engine.scheduler.state_dict()})
+            model.config.save_pretrained(folder)
+            engine.tokenizer.save_pretrained(folder)
+            (folder / "trainer_state.json").write_text(json.dumps({"step": engine.step, **extra_state}, indent=2))
             for name, content in (extra_files or {}).items():
                 (folder / name).write_bytes(content)
         dist.barrier()
 
-    def _optimizer_tensors(self):
-        """(`<parameter name>/<state>`, tensor) of the AdamW state, parameter by parameter."""
-        for name, param in self.model.named_parameters():
-            for state, tensor in self.optimizer.state.get(param, {}).items():
-                yield f"{name}/{state}", tensor
+    def load_checkpoint(self, engine: TrainingEngine, directory: Path) -> dict:
+        """A one-process trainer's checkpoint onto this rank group: its optimizer state is keyed by the
+        parameters' order, which is `named_parameters()`'s on both sides."""
+        from safetensors.torch import load_file
 
-    def load_checkpoint(self, directory: Path) -> dict:
-        if is_sharded(directory):
-            return load_sharded_checkpoint(self, directory)
-        return _load_one_process_checkpoint(self, directory)
-
-
-def load_sharded_checkpoint(engine: TrainingEngine, directory: Path) -> dict:
-    """Restore `engine` (sharded over any number of ranks, or one process) from a sharded checkpoint:
-    each whole tensor is assembled from the slices, then kept whole or re-sliced for this rank.
-    Returns the rest of the trainer state."""
-    index = read_index(directory)
-    optim_state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in read_whole(directory, "optim/").items():
-        name, state = key.rsplit("/", 1)
-        optim_state.setdefault(name, {})[state] = tensor
-    return _restore(engine, directory, read_whole(directory, "model/"), optim_state, index["state"]["param_groups"],
-                    index["state"]["scheduler"])
+        saved = torch.load(directory / "optimizer.pt", weights_only=True)
+        names = [name for name, _ in engine.model.named_parameters()]
+        by_index = saved["optimizer"]["state"]
+        optim_state = {name: by_index[i] for i, name in enumerate(names) if i in by_index}
+        return restore(engine, directory, load_file(directory / "model.safetensors"), optim_state,
+                       saved["optimizer"]["param_groups"], saved["scheduler"])
 
 
-def _load_one_process_checkpoint(engine: TrainingEngine, directory: Path) -> dict:
-    """A one-process trainer's checkpoint onto this rank group: its optimizer state is keyed by the
-    parameters' order, which is `named_parameters()`'s on both sides."""
-    from safetensors.torch import load_file
-
-    saved = torch.load(directory / "optimizer.pt", weights_only=True)
-    names = [name for name, _ in engine.model.named_parameters()]
-    by_index = saved["optimizer"]["state"]
-    optim_state = {name: by_index[i] for i, name in enumerate(names) if i in by_index}
-    return _restore(engine, directory, load_file(directory / "model.safetensors"), optim_state,
-                    saved["optimizer"]["param_groups"], saved["scheduler"])
+def _optimizer_tensors(engine: TrainingEngine):
+    """(`<parameter name>/<state>`, tensor) of the AdamW state, parameter by parameter."""
+    for name, param in engine.model.named_parameters():
+        for state, tensor in engine.optimizer.state.get(param, {}).items():
+            yield f"{name}/{state}", tensor
 
 
-def _restore(engine: TrainingEngine, directory: Path, model_state: dict[str, torch.Tensor],
-             optim_state: dict[str, dict[str, torch.Tensor]], param_groups: list[dict], scheduler: dict) -> dict:
-    """Whole tensors into `engine` (each rank keeps its slices), then its step; returns the rest of
-    the trainer state."""
-    names = dict(engine.model.named_parameters())
-    missing = names.keys() - model_state.keys()
-    if missing:
-        raise ValueError(f"checkpoint {directory} does not match the model: missing {sorted(missing)[:5]}")
-    if len(param_groups) != 1:
-        raise ValueError(f"{directory}: {len(param_groups)} optimizer parameter groups; rlx trainers use one")
-    group = {**param_groups[0], "betas": tuple(param_groups[0]["betas"]), "params": list(names)}
-    set_model_state_dict(engine.model, model_state, options=StateDictOptions(full_state_dict=True, strict=False))
-    set_optimizer_state_dict(engine.model, engine.optimizer, {"state": optim_state, "param_groups": [group]},
-                             options=StateDictOptions(full_state_dict=True))
-    engine.scheduler.load_state_dict(scheduler)
-    state = json.loads((directory / "trainer_state.json").read_text())
-    engine.step = state.pop("step")
-    return state
-
-
-class ShardedReference(Reference):
-    """A forward-only role (Reference, Teacher) on one rank of a group: its weights sharded like a
-    trainer's, every forward run in lockstep, and new weights (a Reference that follows the policy)
-    loaded whole and kept as this rank's slices."""
-
-    def _passes(self, chunks: list[list[Sample]]) -> list[list[Sample]]:
-        return in_lockstep(chunks)
-
-    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
-        try:
-            return super().logprobs(samples)
-        finally:  # FSDP2 keeps the root's parameters gathered after a forward, for a backward that never comes
-            self.model.reshard()
-
-    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
-        set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True))
-
-
-class ShardedActorFwd(ShardedReference):
-    """ActorFwd on one rank of a group: every published version is loaded whole and kept as this
-    rank's slices."""
-
-    timeline_role = "actor_fwd"
+def sharded_training_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: TrainConfig,
+                            temperature: float, forward: Forward | None = None) -> TrainingEngine:
+    """`TrainingEngine` over FSDP2-sharded parameters, on one rank of an initialised process group
+    (the one-process engine's arguments)."""
+    placement = Fsdp2()
+    if config.activation_checkpointing:  # before sharding: the layers keep their checkpoint wrappers
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    shard_model(model, config)
+    # every rank must run the same forwards in lockstep: one per micro-batch, never the prompt-once
+    # pair; the base engine's bf16 autocast is replaced by FSDP2's mixed precision (bf16 gathered parameters)
+    config = config.model_copy(update={"activation_checkpointing": False, "share_prompts": False,
+                                       "param_dtype": "float32"})
+    return TrainingEngine(model, tokenizer, config, temperature, forward, placement=placement)
