@@ -13,14 +13,14 @@ from rlx.orchestration.builder import (
     build_workers,
     logprob_worker,
 )
-from rlx.orchestration.plan import build_plan
+from rlx.orchestration.plan import FIELDS, build_plan
 from tests.integration.test_colocate_loop import toy_config
 
 
 def test_actor_fwd_log_probs_drive_the_ratio(tiny_path, tmp_path):
     config = toy_config(tiny_path, tmp_path, algorithm__behavior_correction="decoupled")
     c = build_components(config)
-    bus = LocalBus()
+    bus = LocalBus(check_schema=FIELDS)
     with build_workers(c, bus, sync_weights=lambda: None, publish=c.sync_weights, max_staleness=0) as workers:
         async_config = config.model_copy(update={"train": config.train.model_copy(update={"mode": "async"})})
         async_plan = build_plan(async_config)
