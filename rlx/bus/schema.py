@@ -149,7 +149,9 @@ class Schema:
         else:
             if len(spec.shape) != 1 or not isinstance(value, (list, tuple)):
                 return False
-            if not all(_element_ok(spec.dtype, v) for v in value):
+            # one element per Python type: a list of a thousand floats costs one set, not a thousand checks
+            kinds = set(map(type, value))
+            if not all(_element_ok(spec.dtype, next(v for v in value if type(v) is kind)) for kind in kinds):
                 return False
             lengths = [len(value)]
         return all(sizes.get(dim, length) == length for dim, length in zip(spec.shape, lengths))
