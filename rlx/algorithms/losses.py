@@ -24,16 +24,32 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LossInputs:
-    """The per-token fields a policy loss reads, all [B, R]; `advantages` is already broadcast to tokens."""
+    """What a policy loss reads: every tensor is [B, R], one entry per response token.
 
-    logprobs: torch.Tensor
-    old_logprobs: torch.Tensor
+    `advantages` is already broadcast to tokens. The optional inputs are None in a run without
+    them: `rollout_logprobs`, the behaviour policy's (the rollout's, when its engine recorded them);
+    `ref_logprobs`, the reference policy's (KL on); `teacher_logprobs` (a teacher in the run).
+    `weights` is the per-token weight the objective multiplies the loss by (the behaviour
+    correction's, detached), None without one: a loss may read it, the objective applies it.
+    """
+
+    logprobs: torch.Tensor  # the current policy's, with the gradient
+    old_logprobs: torch.Tensor  # the policy the ratio is taken against (the proximal one)
     advantages: torch.Tensor
     mask: torch.Tensor
+    rollout_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
     def ratio(self) -> torch.Tensor:
         """r_t = pi(y_t) / pi_old(y_t), with the gradient of pi."""
         return torch.exp(self.logprobs - self.old_logprobs)
+
+
+# The inputs above that are bus fields of the same name, per-token, read by the `train` task: the
+# Actor builds each one its task reads (`plan.inputs("train")`); a test holds them to the plan.
+BUS_INPUTS = ("old_logprobs", "rollout_logprobs", "ref_logprobs", "teacher_logprobs")
 
 
 class LossTerms(NamedTuple):

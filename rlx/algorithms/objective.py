@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from rlx.algorithms.aggregate import aggregate
@@ -15,7 +17,7 @@ def truncated_importance_weight(logprobs: torch.Tensor, behavior_logprobs: torch
     return torch.exp(logprobs.detach() - behavior_logprobs).clamp(max=cap)
 
 
-def behavior_weight(fields: dict[str, torch.Tensor], config: AlgorithmConfig) -> torch.Tensor | None:
+def behavior_weight(x: LossInputs, config: AlgorithmConfig) -> torch.Tensor | None:
     """The per-token weight of the resolved off-policy correction, or None without one.
 
     Both corrections weight by min(pi_old / mu, cap): the policy the PPO ratio is taken against
@@ -24,36 +26,49 @@ def behavior_weight(fields: dict[str, torch.Tensor], config: AlgorithmConfig) ->
     (later updates of a step). tis and decoupled differ only in where `old_logprobs` come from:
     the Actor itself (the current policy before the step's first update) or ActorFwd.
     """
-    if config.resolved_correction == "none":
+    correction = config.resolved_correction
+    if correction == "none":
         return None
-    return truncated_importance_weight(fields["old_logprobs"], fields["rollout_logprobs"], config.tis_cap)
+    if x.rollout_logprobs is None:
+        raise ValueError(f"algorithm.behavior_correction={correction} weights each token by the rollout's log-probs, "
+                         "and this batch has none (rollout_logprobs): use a generation engine that records them, "
+                         "or set algorithm.behavior_correction=none")
+    return truncated_importance_weight(x.old_logprobs, x.rollout_logprobs, config.tis_cap)
 
 
 def policy_objective(
-    logprobs: torch.Tensor,
+    x: LossInputs,
     entropy: torch.Tensor,
-    mask: torch.Tensor,
-    fields: dict[str, torch.Tensor],
     config: AlgorithmConfig,
     global_tokens: float,
     global_sequences: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """`fields` holds [B, R] `old_logprobs`, `advantages`, and `ref_logprobs` (KL on) and
-    `rollout_logprobs` (a behaviour correction on) when those options need them.
+    """The loss of one micro-batch `x` ([B, R] `entropy` beside it), and its metrics.
+
+    `global_tokens` / `global_sequences` are the normalisers `aggregate` divides by: the step's
+    token and sequence counts when the caller knows them up front (the parity suite, tests of a
+    whole step), or 1, 1 from the Actor, which sums micro-batches and scales the sum once the step's
+    counts are known (`loss_scale`, `finalize_metrics`). The loss gets `x` with `weights` set to
+    the correction's weight (`behavior_weight`); `ref_logprobs` must be there when KL is on.
 
     Every metric is this micro-batch's share of the global value (aggregated like the loss; clip
     fraction and ratio per token), so summing over micro-batches gives the step's value.
     """
-    inputs = LossInputs(logprobs, fields["old_logprobs"], fields["advantages"], mask)
-    per_token, clipped = policy_loss_of(config.loss)(inputs, config.loss)
-    weight = behavior_weight(fields, config)
+    mask, logprobs = x.mask, x.logprobs
+    weight = behavior_weight(x, config)
+    x = dataclasses.replace(x, weights=weight)
+    per_token, clipped = policy_loss_of(config.loss)(x, config.loss)
     if weight is not None:
         per_token = per_token * weight
     policy_loss = aggregate(per_token, mask, config.aggregation, global_tokens, global_sequences, config.loss_horizon)
     loss = policy_loss
     metrics = {"policy_loss": policy_loss.item()}
     if config.kl_coef > 0:
-        per_token_kl = kl_estimate(logprobs, fields["ref_logprobs"], config.kl_type, fields["old_logprobs"])
+        if x.ref_logprobs is None:
+            raise ValueError(f"algorithm.kl_coef={config.kl_coef} needs the reference policy's log-probs "
+                             "(ref_logprobs), and this batch has none: run the reference role, or set "
+                             "algorithm.kl_coef=0")
+        per_token_kl = kl_estimate(logprobs, x.ref_logprobs, config.kl_type, x.old_logprobs)
         kl = aggregate(per_token_kl, mask, config.aggregation, global_tokens, global_sequences, config.loss_horizon)
         loss = loss + config.kl_coef * kl
         metrics["kl"] = kl.item()
@@ -64,14 +79,14 @@ def policy_objective(
     metrics.update(
         entropy=entropy_mean.item(),
         clip_fraction=token_share(clipped),
-        ratio_mean=token_share(torch.exp(logprobs - fields["old_logprobs"]).detach()),
+        ratio_mean=token_share(x.ratio().detach()),
         loss=loss.item(),
     )
     if weight is not None:
         metrics["behavior_weight_mean"] = token_share(weight)
-    if "rollout_logprobs" in fields:
-        metrics["behavior_kl"] = token_share(behavior_kl(logprobs, fields["rollout_logprobs"]))
-        metrics["rollout_logprob_abs_diff"] = token_share((logprobs.detach() - fields["rollout_logprobs"]).abs())
+    if x.rollout_logprobs is not None:
+        metrics["behavior_kl"] = token_share(behavior_kl(logprobs, x.rollout_logprobs))
+        metrics["rollout_logprob_abs_diff"] = token_share((logprobs.detach() - x.rollout_logprobs).abs())
     return loss, metrics
 
 
@@ -92,6 +107,6 @@ def loss_scale(aggregation: str, tokens: float, sequences: float) -> float:
 
 
 def finalize_metrics(sums: dict[str, float], aggregation: str, tokens: float, sequences: float) -> dict[str, float]:
-    """Metric sums from `policy_objective(..., 1, 1)` over a step -> the step's means."""
+    """Metric sums from `policy_objective(x, entropy, config, 1, 1)` over a step -> the step's means."""
     scale = loss_scale(aggregation, tokens, sequences)
     return {k: v / max(tokens, 1.0) if k in TOKEN_SHARE_METRICS else v * scale for k, v in sums.items()}

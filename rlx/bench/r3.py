@@ -47,16 +47,19 @@ def _batch(model_path: Path, prompts: int, n: int, max_new_tokens: int) -> list[
 
 
 def _actor(model_path: Path, micro_batch_size: int, mismatch_every: int):
-    from rlx.config import AlgorithmConfig, TrainConfig
+    from rlx.config import AlgorithmConfig, RunConfig, TrainConfig
     from rlx.engines.training import TrainingEngine
     from rlx.models import load_pretrained
     from rlx.models.moe import MoeRouting
+    from rlx.orchestration.plan import build_plan
     from rlx.roles.actor import Actor
 
     model, tokenizer = load_pretrained(model_path)
     MoeRouting.of(model)
     engine = TrainingEngine(model, tokenizer, TrainConfig(lr=1e-6, micro_batch_size=micro_batch_size), 1.0)
-    return Actor(engine, AlgorithmConfig(routing_mismatch_every=mismatch_every), tokenizer.pad_token_id)
+    algorithm = AlgorithmConfig(routing_mismatch_every=mismatch_every)
+    inputs = build_plan(RunConfig(model={"path": str(model_path)}, algorithm=algorithm)).inputs("train")
+    return Actor(engine, algorithm, tokenizer.pad_token_id, inputs)
 
 
 def ratio_interval(ratios: list[float], confidence: float = 0.95, draws: int = 2000) -> tuple[float, float]:

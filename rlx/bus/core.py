@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlx.bus.samplers import Candidate, Sampler, SequentialSampler
+from rlx.bus.schema import Schema
 
 
 class BusFull(Exception):
@@ -34,10 +35,13 @@ class Row:
 
 
 class BusIndex:
-    def __init__(self, capacity: int = 100_000) -> None:
+    def __init__(self, capacity: int = 100_000, schema: Schema | None = None) -> None:
+        """`schema` checks puts (`Schema.check_*`, called by the bus before it stores the values:
+        the Ray bus stores large ones as object references); default: no check."""
         if capacity < 1:
             raise ValueError("bus capacity must be >= 1")
         self.capacity = capacity
+        self.schema = schema or Schema(None)
         self.rows: dict[int, Row] = {}
         self.next_row_id = 0
         self.stats: Counter = Counter()
@@ -198,6 +202,7 @@ class BusIndex:
         """Drop rows (and a group's shared fields with its last row); returns their values so the
         caller can free the storage behind them."""
         dropped = []
+        self.schema.forget(row_ids)
         for row_id in row_ids:
             if (row := self.rows.pop(row_id, None)) is None:
                 continue
@@ -274,8 +279,9 @@ class BusIndex:
         return {**state, "rows": rows, "rows_per_group": counts, "group_values": group_values, "group_rows": group_rows}
 
     @classmethod
-    def restore(cls, state: dict[str, Any]) -> BusIndex:
-        index = cls(state["capacity"])
+    def restore(cls, state: dict[str, Any], schema: Schema | None = None) -> BusIndex:
+        index = cls(state["capacity"], schema)
+        index.schema.reset()
         index.next_row_id = state["next_row_id"]
         index.rows_per_group.update(state.get("rows_per_group", {}))
         index.group_values = {int(g): dict(v) for g, v in state.get("group_values", {}).items()}

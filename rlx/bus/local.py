@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from rlx.bus.core import BusFull, BusIndex, BusTimeout
 from rlx.bus.samplers import SamplerSpec, make_sampler
+from rlx.bus.schema import FieldDeclaration, Schema
 
 
 class LocalBus:
-    def __init__(self, capacity: int = 100_000, consumer: str | None = None) -> None:
-        self.index = BusIndex(capacity)
+    def __init__(self, capacity: int = 100_000, consumer: str | None = None,
+                 check_schema: Iterable[FieldDeclaration] | None = None) -> None:
+        """`check_schema`: the field declarations (`rlx.orchestration.plan.FIELDS`) every put is
+        checked against (`rlx.bus.schema`); None, the default: no check."""
+        self.index = BusIndex(capacity, Schema(check_schema))
         self.consumer = consumer
         self.changed = threading.Condition()
         self.wait_seconds: dict[str, float] = {}
@@ -40,10 +44,14 @@ class LocalBus:
     def put(self, values: dict[str, list], group_ids: list[int], num_tokens: list[int] | None = None,
             timeout: float | None = None) -> list[int]:
         tokens = num_tokens if num_tokens is not None else [0] * len(group_ids)
+        with self.changed:  # named first, as the Ray bus's clients do, so the schema check sees the ids
+            first = self.index.reserve(len(group_ids))
+            row_ids = list(range(first, first + len(group_ids)))
+            self.index.schema.check_rows(row_ids, values)
 
         def attempt():
             try:
-                return self.index.add_rows(values, group_ids, tokens)
+                return self.index.add_rows(values, group_ids, tokens, row_ids)
             except BusFull:
                 return None
 
@@ -56,11 +64,13 @@ class LocalBus:
     def put_group(self, group_id: int, values: dict[str, Any], rows: int) -> None:
         """Fields shared by the group's `rows` rows, stored once (put before its rows)."""
         with self.changed:
+            self.index.schema.check_group(group_id, values)
             self.index.add_group_fields(group_id, values, rows)
             self.changed.notify_all()
 
     def put_fields(self, row_ids: list[int], values: dict[str, list]) -> None:
         with self.changed:
+            self.index.schema.check_fields(row_ids, values)
             self.index.add_fields(row_ids, values)
             self.changed.notify_all()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -29,6 +30,7 @@ import torch
 from rlx.bus.columns import INLINE_BYTES, approx_nbytes, pack
 from rlx.bus.core import BusFull, BusIndex, BusTimeout, check_columns
 from rlx.bus.samplers import SamplerSpec, make_sampler
+from rlx.bus.schema import FieldDeclaration, Schema
 
 
 class Stored:
@@ -63,8 +65,8 @@ class _Reply:
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class BusActor:
-    def __init__(self, capacity: int) -> None:
-        self.index = BusIndex(capacity)
+    def __init__(self, capacity: int, schema: Schema | None = None) -> None:
+        self.index = BusIndex(capacity, schema)
         self.changed = asyncio.Condition()
         self.wait_seconds: dict[str, float] = {}
 
@@ -113,6 +115,7 @@ class BusActor:
 
     async def _add_rows(self, values: dict[str, list], group_ids: list[int], num_tokens: list[int],
                         timeout: float | None, row_ids: list[int]) -> None:
+        self.index.schema.check_rows(row_ids, values)
         values = self._store(values)
 
         def attempt():
@@ -136,8 +139,10 @@ class BusActor:
                 if kind == "rows":
                     await self._add_rows(*args)
                 elif kind == "fields":
+                    self.index.schema.check_fields(*args)
                     self.index.add_fields(args[0], self._store(args[1]))
                 elif kind == "group":
+                    self.index.schema.check_group(args[0], args[1])
                     self.index.add_group_fields(args[0], self._store_one(args[1]), args[2])
                 else:
                     self.index.clear(*args)
@@ -197,7 +202,7 @@ class BusActor:
             stored = self._store_one(values)
             values.clear()
             values.update(stored)
-        self.index = BusIndex.restore(state)
+        self.index = BusIndex.restore(state, self.index.schema)
         await self._notify()
 
 
@@ -223,9 +228,11 @@ class Bus:
         return Bus, (self.actor, self.consumer)
 
     @classmethod
-    def create(cls, capacity: int = 100_000, name: str | None = None) -> Bus:
+    def create(cls, capacity: int = 100_000, name: str | None = None,
+               check_schema: Iterable[FieldDeclaration] | None = None) -> Bus:
+        """A new bus actor; `check_schema` as for `LocalBus` (the check runs in the bus actor)."""
         options = {"name": name, "lifetime": None} if name else {}
-        return cls(BusActor.options(**options).remote(capacity))
+        return cls(BusActor.options(**options).remote(capacity, Schema(check_schema)))
 
     # -- writes ----------------------------------------------------------------------------------
     def _row_ids(self, count: int) -> list[int]:

@@ -63,6 +63,10 @@ class TrainConfig(Section):
                                        "before the run stops")
     max_restarts: int = Field(10, ge=0, description="replacements of all roles together before the run stops")
     seed: int = 0
+    check_bus_schema: bool = Field(
+        False, description="debug: the bus checks every put against its field's declaration (dtype, shape, scope "
+        "in rlx/orchestration/plan.py FIELDS) and a put that does not match fails, naming the field, its writer, "
+        "what was expected and what came; costs a pass over every value. The test suite's runs turn it on")
 
     @property
     def bf16_autocast(self) -> bool:

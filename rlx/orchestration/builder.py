@@ -193,7 +193,7 @@ def build_actor_rank(config: RunConfig, path: Path) -> Actor:
         # parameters in publish-ready buckets: each DCS publish is then one copy per bucket, no packing
         flatten_parameters(model, int(config.weights.bucket_mb * (1 << 20)))
     engine = training_engine_class()(model, tokenizer, config.train, config.rollout.temperature)
-    return Actor(engine, config.algorithm, tokenizer.pad_token_id)
+    return Actor(engine, config.algorithm, tokenizer.pad_token_id, build_plan(config).inputs("train"))
 
 
 def training_engine_class() -> type[TrainingEngine]:

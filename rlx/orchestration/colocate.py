@@ -23,6 +23,7 @@ from rlx.obs.timeline import SPANS, run_folder
 from rlx.orchestration.builder import Workers, build_components, build_workers
 from rlx.orchestration.cluster import stop_ray
 from rlx.orchestration.evaluation import evaluate
+from rlx.orchestration.plan import bus_schema
 from rlx.orchestration.run_dir import checkpoint_path, latest_checkpoint, prepare_run_dir
 
 
@@ -107,7 +108,7 @@ def train_colocated(config: RunConfig, resume: bool, overwrite: bool, echo: Call
     c = build_components(config)
     # Colocated: generation starts a step's groups only after the previous step trained (staleness 0),
     # and weights are copied into the generation engine right after each optimizer step.
-    workers = build_workers(c, LocalBus(), sync_weights=lambda: None,
+    workers = build_workers(c, LocalBus(check_schema=bus_schema(config)), sync_weights=lambda: None,
                             publish=c.sync_weights, max_staleness=0)
     step, totals = 0, Counter()
 

@@ -22,7 +22,7 @@ from rlx.data import PromptRow
 from rlx.orchestration.builder import prompt_source
 from rlx.orchestration.cluster import start_ray, stop_ray
 from rlx.orchestration.heartbeats import RemoteHeartbeats
-from rlx.orchestration.plan import build_plan
+from rlx.orchestration.plan import build_plan, bus_schema
 from rlx.orchestration.prompt_source import PromptSourceClient, RemotePromptSource
 from rlx.orchestration.resume import resume_plan
 from rlx.orchestration.scaling import redeploy, require_placeable
@@ -82,7 +82,7 @@ class Controller:
         start_ray(res.ray_num_cpus, res.ray_address, res.ray_allow_unauthenticated)
         serve.start(proxy_location="Disabled")  # roles talk through handles and the bus, not HTTP
         self.bus = Bus.create(capacity=max(1024, 4 * cfg.rollout.prompts_per_step * cfg.rollout.n
-                                           * (cfg.train.max_staleness + 2)))
+                                           * (cfg.train.max_staleness + 2)), check_schema=bus_schema(cfg))
         w = cfg.weights
         self.weights = WeightSync.create(w.channel, w.bucket_mb, w.timeout_s)
         source = prompt_source(cfg, train_rows)

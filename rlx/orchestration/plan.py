@@ -105,6 +105,12 @@ FIELDS: tuple[FieldSpec, ...] = (
 )
 
 
+def bus_schema(config: RunConfig) -> tuple[FieldSpec, ...] | None:
+    """What the run's bus checks every put against (its `check_schema`): `FIELDS` when
+    `train.check_bus_schema` is on (the test suite's runs), else nothing."""
+    return FIELDS if config.train.check_bus_schema else None
+
+
 @dataclass(frozen=True)
 class RoleSpec:
     """One role: the bus tasks it serves, when a run needs it, and whether it holds state that

@@ -37,8 +37,12 @@ from rlx.run_state import encode_run_state
 SAMPLE_FIELDS = {f.name for f in dataclass_fields(Sample)} - {"uid"}
 
 def to_samples(row_ids: list[int], values: dict[str, list]) -> list[Sample]:
-    names = [name for name in values if name in SAMPLE_FIELDS]
-    return [Sample(uid=row, **{name: values[name][i] for name in names}) for i, row in enumerate(row_ids)]
+    """One `Sample` per row, from the bus fields read; a field `Sample` lacks is an error, not dropped."""
+    unknown = sorted(set(values) - SAMPLE_FIELDS)
+    if unknown:
+        raise ValueError(f"bus fields {unknown} have no attribute on Sample (rlx/data/sample.py): declare each "
+                         "one there beside its FieldSpec in rlx/orchestration/plan.py")
+    return [Sample(uid=row, **{name: column[i] for name, column in values.items()}) for i, row in enumerate(row_ids)]
 
 
 def sample_tokens(sample: Sample) -> int:

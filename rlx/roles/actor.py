@@ -21,9 +21,11 @@ adds the load-balancing loss of the experts each forward used (`router_aux_loss`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 import torch
 
+from rlx.algorithms.losses import BUS_INPUTS, LossInputs
 from rlx.algorithms.objective import finalize_metrics, loss_scale, policy_objective
 from rlx.config import AlgorithmConfig
 from rlx.data.sample import Sample
@@ -35,8 +37,12 @@ from rlx.roles.trainable import Trainable
 
 
 class Actor(Trainable):
-    def __init__(self, engine: TrainingEngine, config: AlgorithmConfig, pad_token_id: int) -> None:
+    def __init__(self, engine: TrainingEngine, config: AlgorithmConfig, pad_token_id: int,
+                 inputs: Collection[str]) -> None:
+        """`inputs` are the bus fields the train task reads (`plan.inputs("train")`): those of
+        `BUS_INPUTS` among them become the loss's optional inputs, so which exist follows the plan."""
         self.engine = engine
+        self._loss_fields = tuple(name for name in BUS_INPUTS if name in inputs)
         self.config = config
         self.pad_token_id = pad_token_id
         self._sums: dict[str, float] = {}
@@ -62,8 +68,9 @@ class Actor(Trainable):
     def accumulate(self, samples: list[Sample], counted: bool = True) -> None:
         """Forward and backward one micro-batch (or, with PPO epochs, keep it for `finish_step`).
 
-        Samples carry `ref_logprobs` when KL is on and may carry `old_logprobs` (the proximal
-        policy, from ActorFwd); without them the "old" log-probs are the current ones, detached,
+        Samples carry the loss inputs the train task reads (`ref_logprobs` when the run has a
+        reference, `old_logprobs` when it has an ActorFwd: the proximal policy); without the latter
+        the "old" log-probs are the current ones, detached,
         which is exact for one optimizer step per batch of fresh samples. `counted=False` is a
         rank's stand-in pass (see `TrainingEngine.accumulate`): same passes, nothing counted.
         """
@@ -112,23 +119,28 @@ class Actor(Trainable):
             self.accumulate(samples[start : start + size])
         return self.finish_step()
 
-    def _batch(self, samples: list[Sample]) -> TokenBatch:
+    def _batch(self, samples: list[Sample], own_old_logprobs: bool = False) -> TokenBatch:
+        """The samples as one batch with the per-token loss inputs the plan gives the train task
+        (`own_old_logprobs`: and the old log-probs `_with_old_logprobs` took). The rollout's
+        log-probs are left out when its engine did not record them; any other missing one is an error."""
         per_token = {"advantages": [s.token_advantages or [s.advantage] * len(s.response_ids) for s in samples]}
-        recorded = all(len(s.rollout_logprobs) == len(s.response_ids) for s in samples)
-        if recorded or self.config.resolved_correction != "none":  # a correction needs them; else for the metric
-            per_token["rollout_logprobs"] = [s.rollout_logprobs for s in samples]
-        if self.config.kl_coef > 0:
-            per_token["ref_logprobs"] = [s.ref_logprobs for s in samples]
-        if all(s.old_logprobs is not None for s in samples):
-            per_token["old_logprobs"] = [s.old_logprobs for s in samples]
+        names = dict.fromkeys((*self._loss_fields, "old_logprobs") if own_old_logprobs else self._loss_fields)
+        for name in names:
+            column = [getattr(s, name) for s in samples]
+            if all(v is not None and len(v) == len(s.response_ids) for v, s in zip(column, samples)):
+                per_token[name] = column
+            elif name != "rollout_logprobs":
+                lacking = [s.uid for v, s in zip(column, samples) if v is None or len(v) != len(s.response_ids)]
+                raise ValueError(f"the train task reads {name!r} (the role plan says so), and samples {lacking[:5]} "
+                                 "lack it or have one entry per response token too few or too many")
         return samples_to_batch(samples, self.pad_token_id, per_token)
 
     def _loss_fn(self, mb: TokenBatch, logprobs: torch.Tensor,
                  entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        fields = {k: v.to(logprobs.device) for k, v in mb.per_token.items()}
-        fields.setdefault("old_logprobs", logprobs.detach())
-        loss, metrics = policy_objective(logprobs, entropy, mb.response_mask.to(logprobs.device), fields,
-                                         self.config, 1.0, 1.0)
+        tensors = {k: v.to(logprobs.device) for k, v in mb.per_token.items()}
+        tensors.setdefault("old_logprobs", logprobs.detach())
+        inputs = LossInputs(logprobs, mask=mb.response_mask.to(logprobs.device), **tensors)
+        loss, metrics = policy_objective(inputs, entropy, self.config, 1.0, 1.0)
         if self.config.router_aux_loss_coef > 0:
             # summed like the policy loss: weighted by the micro-batch's share of what the step divides by
             weight = float(mb.response_mask.sum()) if self.config.aggregation == "token-mean" else float(mb.size)
@@ -171,7 +183,7 @@ class Actor(Trainable):
             return
         cfg = self.engine.config
         samples = self._with_old_logprobs(sorted(self._collected, key=lambda s: s.uid))
-        batch = self._batch(samples)
+        batch = self._batch(samples, own_old_logprobs=True)
         self._add(self._measure_unreplayed(batch))
         self._tokens, self._sequences = float(batch.response_mask.sum()), float(batch.size)
         minis = [batch.select(torch.tensor(rows))

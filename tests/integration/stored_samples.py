@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from rlx.algorithms import grpo_advantages
-from rlx.config import AlgorithmConfig, TrainConfig
+from rlx.config import AlgorithmConfig, RunConfig, TrainConfig
 from rlx.data.sample import Sample
 from rlx.engines.training import TrainingEngine
 from rlx.models import load_pretrained
+from rlx.orchestration.plan import build_plan
 from rlx.roles.actor import Actor
 from rlx.roles.batching import samples_to_batch
 
@@ -45,8 +46,14 @@ def tiny_actor(tiny_path, algorithm: AlgorithmConfig | None = None, **train) -> 
     torch.manual_seed(0)
     model, tokenizer = load_pretrained(tiny_path)
     config = TrainConfig(**{"lr": 1e-3, "micro_batch_size": 3, "seed": 0, **train})
-    return Actor(TrainingEngine(model, tokenizer, config, temperature=1.0), algorithm or AlgorithmConfig(),
-                 tokenizer.pad_token_id)
+    algorithm = algorithm or AlgorithmConfig()
+    return Actor(TrainingEngine(model, tokenizer, config, temperature=1.0), algorithm, tokenizer.pad_token_id,
+                 train_inputs(tiny_path, algorithm))
+
+
+def train_inputs(model_path, algorithm: AlgorithmConfig) -> list[str]:
+    """The bus fields the train task reads in a run of `algorithm`, as the role plan says."""
+    return build_plan(RunConfig(model={"path": str(model_path)}, algorithm=algorithm)).inputs("train")
 
 
 def parameters(actor: Actor) -> dict[str, torch.Tensor]:

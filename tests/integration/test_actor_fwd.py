@@ -7,25 +7,30 @@ import pytest
 from rlx.bus import LocalBus
 from rlx.orchestration.builder import (
     actor_worker,
+    build_actor,
     build_actor_fwd,
     build_components,
     build_workers,
     logprob_worker,
 )
-from rlx.orchestration.plan import build_plan
+from rlx.orchestration.plan import FIELDS, build_plan
 from tests.integration.test_colocate_loop import toy_config
 
 
 def test_actor_fwd_log_probs_drive_the_ratio(tiny_path, tmp_path):
     config = toy_config(tiny_path, tmp_path, algorithm__behavior_correction="decoupled")
     c = build_components(config)
-    bus = LocalBus()
+    bus = LocalBus(check_schema=FIELDS)
     with build_workers(c, bus, sync_weights=lambda: None, publish=c.sync_weights, max_staleness=0) as workers:
-        async_plan = build_plan(config.model_copy(update={"train": config.train.model_copy(update={"mode": "async"})}))
+        async_config = config.model_copy(update={"train": config.train.model_copy(update={"mode": "async"})})
+        async_plan = build_plan(async_config)
         assert async_plan.has("actor_fwd") and not c.plan.has("actor_fwd")  # colocated mode has no proximal lag
         actor_fwd = build_actor_fwd(config, tiny_path)
         fwd = logprob_worker(config, async_plan, "actor_fwd", actor_fwd, bus)
-        trainer = actor_worker(config, async_plan, c.actor, bus, publish=c.sync_weights, max_staleness=0)
+        # an Actor of the async run (its plan gives the train task ActorFwd's log-probs), publishing to the rollout
+        actor = build_actor(async_config, tiny_path)
+        trainer = actor_worker(config, async_plan, actor, bus, max_staleness=0,
+                               publish=lambda: c.rollout.load_weights(actor.weights(), actor.version))
 
         workers.rollout.generate(config.rollout.prompts_per_step)
         workers.reward.drain()

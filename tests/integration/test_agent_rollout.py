@@ -10,6 +10,7 @@ import torch
 
 from rlx.agents.environments import user_environment
 from rlx.agents.loop import AgentRollout, TurnLimits
+from rlx.algorithms.losses import LossInputs
 from rlx.algorithms.objective import policy_objective
 from rlx.config import AlgorithmConfig
 from rlx.data.rows import PromptRow
@@ -101,8 +102,10 @@ def test_no_gradient_reaches_a_masked_token(tiny, kl_coef):
     logprobs, entropy = token_logprobs(model, batch, 1.0, with_entropy=True)
     logprobs.retain_grad()
     entropy.retain_grad()
-    fields = {**batch.per_token, "old_logprobs": logprobs.detach()}
-    loss, _ = policy_objective(logprobs, entropy, batch.response_mask, fields, config, 1.0, 1.0)
+    inputs = LossInputs(logprobs, logprobs.detach(), batch.per_token["advantages"], batch.response_mask,
+                        rollout_logprobs=batch.per_token["rollout_logprobs"],
+                        ref_logprobs=batch.per_token["ref_logprobs"])
+    loss, _ = policy_objective(inputs, entropy, config, 1.0, 1.0)
     loss.backward()
     masked = batch.response_mask == 0
     assert logprobs.grad[masked].abs().max().item() == 0.0 and entropy.grad[masked].abs().max().item() == 0.0

@@ -105,7 +105,7 @@ def test_a_colocated_run_with_an_undecodable_image_finishes_and_counts_it(tiny_v
                  "eval_size": 0},
         "rollout": {"n": N, "prompts_per_step": 4, "max_new_tokens": 3},
         "reward": {"name": "exact_match", "extract": "last_number"},
-        "train": {"steps": 2, "micro_batch_size": 8, "eval_every": 0, "checkpoint_every": 0},
+        "train": {"steps": 2, "micro_batch_size": 8, "eval_every": 0, "checkpoint_every": 0, "check_bus_schema": True},
         "logging": {"run_dir": str(tmp_path / "run"), "progress_bar": False},
     })
     steps = [r for r in read_metrics(run_colocate(config, echo=lambda _: None)) if "reward_failed" in r]

@@ -24,7 +24,8 @@ def toy_config(tiny_path, tmp_path, **overrides):
         "data": {"source": "jsonl", "path": str(data), "eval_path": str(data), "eval_size": 16},
         "rollout": {"n": 8, "prompts_per_step": 4, "max_new_tokens": 8, "temperature": 1.0},
         "reward": {"name": "tests.integration.toy_task:count_a"},
-        "train": {"steps": 25, "lr": 3e-3, "micro_batch_size": 16, "eval_every": 0},
+        # check_bus_schema: the run's bus holds every put to its FieldSpec (a debug setting, on in tests)
+        "train": {"steps": 25, "lr": 3e-3, "micro_batch_size": 16, "eval_every": 0, "check_bus_schema": True},
         "logging": {"run_dir": str(tmp_path / "run"), "progress_bar": False},
     }
     for key, value in overrides.items():

@@ -9,6 +9,7 @@ from rlx.engines.generation.base import GenerationRequest
 from rlx.obs.metrics import read_metrics
 from rlx.orchestration.builder import build_components, build_genrm, build_workers
 from rlx.orchestration.colocate import run_colocate
+from rlx.orchestration.plan import FIELDS
 from tests.integration.test_colocate_loop import toy_config
 from tests.integration.toy_task import judge_length
 
@@ -28,7 +29,7 @@ def judge_config(tiny_path, tmp_path, **overrides):
 def test_rewards_are_the_judges_verdicts(tiny_path, tmp_path):
     config = judge_config(tiny_path, tmp_path)
     c = build_components(config)
-    bus = LocalBus()
+    bus = LocalBus(check_schema=FIELDS)
     with build_workers(c, bus, sync_weights=lambda: None, publish=c.sync_weights, max_staleness=0) as workers:
         workers.rollout.generate(2)
         workers.reward.drain()

@@ -15,6 +15,7 @@ import torch
 from rlx.bus import LocalBus
 from rlx.orchestration.builder import build_components, build_workers
 from rlx.orchestration.colocate import train_one_step
+from rlx.orchestration.plan import FIELDS
 from tests.integration.stored_samples import parameters, stored_batch, tiny_actor
 from tests.integration.test_colocate_loop import toy_config
 
@@ -57,7 +58,7 @@ def test_a_colocated_step_with_a_nan_advantage_loads_no_nan_into_the_rollout(tin
     config = toy_config(tiny_path, tmp_path, algorithm__filter_zero_std_groups=False, train__ppo_epochs=epochs,
                         train__mini_batches=epochs)
     c = build_components(config)
-    with build_workers(c, LocalBus(), sync_weights=lambda: None, publish=c.sync_weights, max_staleness=0) as workers:
+    with build_workers(c, LocalBus(check_schema=FIELDS), sync_weights=lambda: None, publish=c.sync_weights, max_staleness=0) as workers:
         compute = c.advantages.compute
 
         def compute_then_poison(samples):

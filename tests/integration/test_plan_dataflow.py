@@ -7,6 +7,7 @@ import torch
 
 from rlx.bus import LocalBus
 from rlx.orchestration.builder import build_components, build_workers
+from rlx.orchestration.plan import FIELDS
 from tests.integration.test_colocate_loop import toy_config
 
 
@@ -16,7 +17,7 @@ def one_step(config, *, threaded: bool, mask_after_first: bool = False):
     workers); otherwise each phase drains in plan order (colocated mode)."""
     torch.manual_seed(0)
     c = build_components(config)
-    bus = LocalBus()
+    bus = LocalBus(check_schema=FIELDS)
     with build_workers(c, bus, sync_weights=lambda: None, publish=lambda: None, max_staleness=0) as workers:
         if mask_after_first:  # a rollout that trains only the first token of each response
             generate = c.rollout.generate

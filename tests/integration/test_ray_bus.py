@@ -12,7 +12,9 @@ import torch
 
 from rlx.bus import BusTimeout
 from rlx.bus.ray_bus import Bus
+from rlx.bus.schema import SchemaError
 from rlx.orchestration.cluster import start_ray, stop_ray
+from rlx.orchestration.plan import FIELDS
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +151,16 @@ def test_the_driver_finds_each_dead_shared_actor_by_name(bus):
                          ("prompts", ["bus", "prompts", "heartbeats"])]:
         controller.kill_shared(killed)
         assert controller.lost_shared(wait_s=10) == lost
+
+
+def test_with_the_schema_check_a_put_that_breaks_its_field_fails_at_the_writers_next_flush(bus):
+    checked = Bus.create(capacity=8, check_schema=FIELDS)
+    tokens = list(range(20_000))  # over INLINE_BYTES: stored in the object store, checked before that
+    rows = checked.put({"group_id": [0], "response_ids": [tokens], "rollout_logprobs": [[-1.0] * len(tokens)]},
+                       group_ids=[0])
+    checked.flush()
+    checked.put_fields(rows, {"ref_logprobs": [[-1.0] * (len(tokens) - 1)]})
+    with pytest.raises(SchemaError, match=r"'ref_logprobs' \(written by 'reference'\), row 0: expected "
+                                          r"float32\[T=20000\], got a list of 19999"):
+        checked.flush()
+    ray.kill(checked.actor)

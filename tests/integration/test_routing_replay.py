@@ -19,6 +19,7 @@ from rlx.models.moe import ROUTE_DTYPE, MoeRouting, stack_captured
 from rlx.models.tiny import build_tiny
 from rlx.roles.actor import Actor
 from rlx.roles.batching import samples_to_batch
+from tests.integration.stored_samples import train_inputs
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +96,8 @@ def _actor(path, micro_batch_size: int, every: int, aux: float = 0.0, checkpoint
     MoeRouting.of(model)
     train = TrainConfig(lr=1e-3, micro_batch_size=micro_batch_size, steps=4, activation_checkpointing=checkpointing)
     engine = TrainingEngine(model, tokenizer, train, 1.0)
-    return Actor(engine, AlgorithmConfig(routing_mismatch_every=every, router_aux_loss_coef=aux),
-                 tokenizer.pad_token_id)
+    algorithm = AlgorithmConfig(routing_mismatch_every=every, router_aux_loss_coef=aux)
+    return Actor(engine, algorithm, tokenizer.pad_token_id, train_inputs(path, algorithm))
 
 
 def test_a_replayed_step_is_the_same_for_any_micro_batch_size_and_reports_mismatch(moe_path, one_thread):

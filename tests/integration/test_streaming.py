@@ -8,6 +8,7 @@ import time
 from rlx.bus import LocalBus
 from rlx.config import build_config
 from rlx.orchestration.builder import build_components, build_workers
+from rlx.orchestration.plan import FIELDS
 
 
 def test_slow_reward_does_not_stall_training(tiny_path, tmp_path):
@@ -23,7 +24,7 @@ def test_slow_reward_does_not_stall_training(tiny_path, tmp_path):
         "train": {"micro_batch_size": 2, "lr": 1e-3},
     })
     c = build_components(config)
-    bus = LocalBus()
+    bus = LocalBus(check_schema=FIELDS)
     workers = build_workers(c, bus, sync_weights=lambda: None,
                             publish=c.sync_weights, max_staleness=0)
     accumulated_at: list[float] = []

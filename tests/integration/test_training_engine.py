@@ -137,3 +137,12 @@ def test_lr_schedule_advances_once_per_step_whatever_the_updates(tiny_path):
     lrs = [actor.train(samples)["lr"] for _ in range(2)]
     assert lrs == pytest.approx([0.25e-3, 0.5e-3]), "warm-up counts steps, not optimizer updates"
     assert actor.version == 2 and actor.engine.updates == 12
+
+
+def test_the_actor_takes_the_loss_inputs_the_role_plan_gives_the_train_task(tiny_path):
+    with_kl = tiny_actor(tiny_path, AlgorithmConfig(kl_coef=0.1))  # its plan has a reference: ref_logprobs
+    with pytest.raises(ValueError, match=r"the train task reads 'ref_logprobs' \(the role plan says so\)"):
+        with_kl.train(stored_batch(0))  # samples without the reference's log-probs
+    assert "ref_logprobs" in with_kl._batch(with_reference(stored_batch(0), with_kl)).per_token
+    without = tiny_actor(tiny_path)  # no reference in its plan: samples that carry them train without them
+    assert "ref_logprobs" not in without._batch(with_reference(stored_batch(0), without)).per_token

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from rlx.algorithms import ADVANTAGE_ESTIMATORS, policy_objective
+from rlx.algorithms import ADVANTAGE_ESTIMATORS, LossInputs, policy_objective
 from rlx.algorithms.values import clipped_value_loss, gae, masked_whiten
 from rlx.bench.parity import Case, Tensors
 from rlx.config import AlgorithmConfig
@@ -84,9 +84,9 @@ def rlx_objective(b: Batch, **settings) -> Tensors:
     micro-batch holding the step."""
     config = AlgorithmConfig(**settings)
     logprobs, entropies = _leaves(b)
-    fields = {"old_logprobs": b.old_logprobs, "advantages": b.token_advantages,
-              "rollout_logprobs": b.rollout_logprobs, "ref_logprobs": b.ref_logprobs}
-    loss, _ = policy_objective(logprobs, entropies, b.mask, fields, config, float(b.mask.sum()), float(len(b.mask)))
+    inputs = LossInputs(logprobs, b.old_logprobs, b.token_advantages, b.mask,
+                        rollout_logprobs=b.rollout_logprobs, ref_logprobs=b.ref_logprobs)
+    loss, _ = policy_objective(inputs, entropies, config, float(b.mask.sum()), float(len(b.mask)))
     return _grads(loss, logprobs, entropies, config.entropy_coef > 0)
 
 

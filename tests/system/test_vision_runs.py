@@ -30,6 +30,7 @@ def digits_config(model_path, tmp_path, rollout=None, algorithm=None, **train):
         "reward": {"name": "exact_match", "extract": "last_number"},
         "algorithm": {"kl_coef": 0.05, **(algorithm or {})},
         "train": {"steps": 3, "lr": 1e-2, "micro_batch_size": 8, "eval_every": 3, "checkpoint_every": 3,
+                  "check_bus_schema": True,
                   "trainable": list(VISION_PARAMETERS), **train},
         "logging": {"run_dir": str(tmp_path / "run"), "progress_bar": False},
     })

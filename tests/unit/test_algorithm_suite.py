@@ -21,6 +21,7 @@ from rlx.algorithms import (
     sapo_loss,
 )
 from rlx.config import AlgorithmConfig, CispoLoss, ClippedLoss, ConfigError, GspoLoss, SapoLoss, build_config
+from tests.unit.loss_plugin import SEEN
 
 
 def _inputs(logp: torch.Tensor, old: float, advantage: float) -> LossInputs:
@@ -122,9 +123,8 @@ def test_seq_mean_token_sum_is_length_agnostic():
 @pytest.mark.parametrize("loss", ["clipped", "gspo", "sapo", "cispo"])
 def test_every_registered_loss_runs_through_the_objective(loss):
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    fields = {"old_logprobs": torch.tensor([[-1.0, -2.0]]), "advantages": torch.full((1, 2), 1.0)}
-    total, metrics = policy_objective(logp, torch.ones(1, 2), torch.ones(1, 2), fields,
-                                      AlgorithmConfig(loss={"type": loss}), 2, 1)
+    inputs = LossInputs(logp, torch.tensor([[-1.0, -2.0]]), torch.full((1, 2), 1.0), torch.ones(1, 2))
+    total, metrics = policy_objective(inputs, torch.ones(1, 2), AlgorithmConfig(loss={"type": loss}), 2, 1)
     total.backward()
     assert logp.grad is not None and logp.grad.abs().sum() > 0 and "clip_fraction" in metrics
 
@@ -135,11 +135,38 @@ def test_a_user_registered_loss_is_selected_by_module_and_name():
     config = build_config({"algorithm": {"loss": {"type": "custom", "name": "tests.unit.loss_plugin:scaled_pg",
                                                   "options": {"scale": 0.5}}}}).algorithm
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    fields = {"old_logprobs": logp.detach(), "advantages": torch.ones(1, 2)}
-    total, metrics = policy_objective(logp, torch.ones(1, 2), torch.ones(1, 2), fields, config, 2, 1)
+    inputs = LossInputs(logp, logp.detach(), torch.ones(1, 2), torch.ones(1, 2))
+    total, metrics = policy_objective(inputs, torch.ones(1, 2), config, 2, 1)
     assert total.item() == pytest.approx(0.75) and metrics["clip_fraction"] == 0.0
     total.backward()
     assert logp.grad[0].tolist() == pytest.approx([-0.25, -0.25])
+
+
+def test_a_user_loss_gets_the_optional_inputs_of_the_run_and_the_correction_weight():
+    # KL on and TIS: the loss sees the reference's and the rollout's log-probs, and the weight
+    # min(pi_old / mu, 2) = min(e^[0.5, 1.0], 2) = [1.648721, 2.0] that the objective applies
+    config = build_config({"algorithm": {"kl_coef": 0.1, "behavior_correction": "tis", "tis_cap": 2.0,
+                                         "loss": {"type": "custom", "name": "tests.unit.loss_plugin:recording"}}}
+                          ).algorithm
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref, rollout = torch.tensor([[-1.5, -2.5]]), torch.tensor([[-1.5, -3.0]])
+    inputs = LossInputs(logp, logp.detach(), torch.ones(1, 2), torch.ones(1, 2), rollout_logprobs=rollout,
+                        ref_logprobs=ref)
+    SEEN.clear()
+    policy_objective(inputs, torch.ones(1, 2), config, 2, 1)
+    (seen,) = SEEN
+    assert seen.ref_logprobs is ref and seen.rollout_logprobs is rollout and seen.teacher_logprobs is None
+    assert seen.weights.tolist()[0] == pytest.approx([math.exp(0.5), 2.0])
+    assert inputs.weights is None  # the caller's input is left as it was
+
+
+def test_the_objective_names_a_missing_input_and_the_setting_that_needs_it():
+    logp = torch.tensor([[-1.0, -2.0]])
+    inputs = LossInputs(logp, logp, torch.ones(1, 2), torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"algorithm.kl_coef=0.1 needs .*ref_logprobs"):
+        policy_objective(inputs, torch.ones(1, 2), AlgorithmConfig(kl_coef=0.1), 2, 1)
+    with pytest.raises(ValueError, match=r"algorithm.behavior_correction=tis .*rollout_logprobs"):
+        policy_objective(inputs, torch.ones(1, 2), AlgorithmConfig(behavior_correction="tis"), 2, 1)
 
 
 @pytest.mark.parametrize("name,fragments", [

@@ -279,13 +279,10 @@ def test_policy_objective_combines_terms():
     logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
     entropy = torch.tensor([[2.0, 4.0, 1000.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    fields = {
-        "old_logprobs": logp.detach().clone(),
-        "advantages": torch.tensor([[1.0, 1.0, 100.0]]),
-        "ref_logprobs": logp.detach() - 1.0,
-    }
+    inputs = LossInputs(logp, old_logprobs=logp.detach().clone(), advantages=torch.tensor([[1.0, 1.0, 100.0]]),
+                        mask=mask, ref_logprobs=logp.detach() - 1.0)
     config = AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01, kl_type="k3", aggregation="token-mean")
-    loss, metrics = policy_objective(logp, entropy, mask, fields, config, global_tokens=2, global_sequences=1)
+    loss, metrics = policy_objective(inputs, entropy, config, global_tokens=2, global_sequences=1)
     expected = -1.0 + 0.1 * math.exp(-1) - 0.01 * 3.0
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert {"policy_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "loss"} <= set(metrics)
@@ -307,11 +304,11 @@ def test_policy_objective_combines_terms():
 
 def test_policy_objective_without_kl_needs_no_reference():
     logp = torch.tensor([[-1.0, -2.0]])
-    fields = {"old_logprobs": logp - math.log(1.5), "advantages": torch.tensor([[1.0, -1.0]])}
+    inputs = LossInputs(logp, logp - math.log(1.5), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
     # ratio 1.5 on both tokens: A=1 -> clipped at 1.28 -> -1.28 ; A=-1 -> min(-1.5, -1.28) = -1.5 -> 1.5
     # token-mean = (-1.28 + 1.5)/2 = 0.11 ; clip_fraction = 1/2 ; ratio_mean = 1.5
     config = AlgorithmConfig(kl_coef=0.0, entropy_coef=0.0)
-    loss, metrics = policy_objective(logp, torch.ones(1, 2), torch.ones(1, 2), fields, config, 2, 1)
+    loss, metrics = policy_objective(inputs, torch.ones(1, 2), config, 2, 1)
     assert "kl" not in metrics
     assert loss.item() == pytest.approx(0.11, abs=1e-5)
     assert metrics["clip_fraction"] == pytest.approx(0.5)
@@ -339,18 +336,17 @@ def _tis_case():
     """Three on-policy tokens (ratio 1), advantages [1, -2, 1], rollout log-probs giving
     pi/mu = [e^0.5, e^-1, e^1.5]."""
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
-    fields = {"old_logprobs": logp.detach().clone(), "advantages": torch.tensor([[1.0, -2.0, 1.0]]),
-              "rollout_logprobs": torch.tensor([[-1.5, -1.0, -2.0]])}
-    return logp, fields
+    return logp, LossInputs(logp, logp.detach().clone(), torch.tensor([[1.0, -2.0, 1.0]]), torch.ones(1, 3),
+                            rollout_logprobs=torch.tensor([[-1.5, -1.0, -2.0]]))
 
 
 def test_policy_objective_with_tis_weights_each_token():
     # ratio 1 -> clipped loss per token = -A = [-1, 2, -1]
     # weights min(pi/mu, 2) = [1.648721, 0.367879, 2.0] (the last one capped)
     # per token -A w = [-1.648721, 0.735759, -2.0]; token-mean over 3 = -2.912962 / 3 = -0.970987
-    logp, fields = _tis_case()
+    logp, inputs = _tis_case()
     config = AlgorithmConfig(behavior_correction="tis", tis_cap=2.0)
-    loss, metrics = policy_objective(logp, torch.zeros(1, 3), torch.ones(1, 3), fields, config, 3, 1)
+    loss, metrics = policy_objective(inputs, torch.zeros(1, 3), config, 3, 1)
     assert loss.item() == pytest.approx(-0.970987, abs=1e-6)
     assert metrics["behavior_weight_mean"] == pytest.approx((1.648721 + 0.367879 + 2.0) / 3, abs=1e-6)
     loss.backward()
@@ -368,10 +364,10 @@ def test_policy_objective_with_decoupled_weights_by_the_proximal_policy():
     # per token [-0.55, -2.56]; token-mean over 2 = -1.555; gradient [-1.1 * 0.5 / 2, 0] = [-0.275, 0]
     logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
     prox = torch.tensor([[-1.0 - math.log(1.1), -1.0 - math.log(1.5)]])
-    fields = {"old_logprobs": prox, "advantages": torch.ones(1, 2),
-              "rollout_logprobs": prox + torch.tensor([[math.log(2.0), -math.log(3.0)]])}
+    inputs = LossInputs(logp, prox, torch.ones(1, 2), torch.ones(1, 2),
+                        rollout_logprobs=prox + torch.tensor([[math.log(2.0), -math.log(3.0)]]))
     config = AlgorithmConfig(behavior_correction="decoupled", tis_cap=2.0, loss={"clip_high": 0.28})
-    loss, metrics = policy_objective(logp, torch.zeros(1, 2), torch.ones(1, 2), fields, config, 2, 1)
+    loss, metrics = policy_objective(inputs, torch.zeros(1, 2), config, 2, 1)
     assert loss.item() == pytest.approx(-1.555, abs=1e-5)
     assert metrics["clip_fraction"] == pytest.approx(0.5)
     assert metrics["behavior_weight_mean"] == pytest.approx(1.25, abs=1e-6)  # (0.5 + 2) / 2
@@ -386,11 +382,10 @@ def test_tis_after_the_first_update_weights_by_the_old_policy_not_the_current_on
     # token-mean over 2: (-1.1 * 1.5 + 0.9 * 2) / 2 = 0.075; gradient -A r w / 2 = [-0.825, 0.9]
     logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     old = logp.detach() - torch.tensor([[math.log(1.1), math.log(0.9)]], dtype=torch.float64)
-    fields = {"old_logprobs": old, "advantages": torch.tensor([[1.0, -1.0]], dtype=torch.float64),
-              "rollout_logprobs": old - torch.tensor([[math.log(1.5), math.log(3.0)]], dtype=torch.float64)}
+    inputs = LossInputs(logp, old, torch.tensor([[1.0, -1.0]], dtype=torch.float64), torch.ones(1, 2),
+                        rollout_logprobs=old - torch.tensor([[math.log(1.5), math.log(3.0)]], dtype=torch.float64))
     config = AlgorithmConfig(behavior_correction="tis", tis_cap=2.0)
-    loss, metrics = policy_objective(logp, torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2), fields,
-                                     config, 2, 1)
+    loss, metrics = policy_objective(inputs, torch.zeros(1, 2, dtype=torch.float64), config, 2, 1)
     assert loss.item() == pytest.approx(0.075, abs=1e-12)
     assert metrics["behavior_weight_mean"] == pytest.approx(1.75, abs=1e-12)
     loss.backward()
@@ -399,9 +394,8 @@ def test_tis_after_the_first_update_weights_by_the_old_policy_not_the_current_on
 
 def test_no_correction_ignores_the_rollout_logprobs():
     # same case as the TIS test without a correction: -A token-mean = (-1 + 2 - 1) / 3 = 0
-    logp, fields = _tis_case()
-    loss, metrics = policy_objective(logp, torch.zeros(1, 3), torch.ones(1, 3), fields,
-                                     AlgorithmConfig(behavior_correction="none"), 3, 1)
+    _, inputs = _tis_case()
+    loss, metrics = policy_objective(inputs, torch.zeros(1, 3), AlgorithmConfig(behavior_correction="none"), 3, 1)
     assert loss.item() == pytest.approx(0.0, abs=1e-6)
     assert "behavior_weight_mean" not in metrics
 

@@ -3,7 +3,9 @@ the bus-field table of docs/architecture.md matches the role plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import math
 import re
 import runpy
 import sys
@@ -211,6 +213,9 @@ def test_loss_example_is_selected_by_the_config(doc_examples):
     terms = loss(inputs, config)
     assert terms.loss[0].tolist() == pytest.approx([-1.0, 3.0, -0.6])  # -min(r, 1.5) * A
     assert terms.cut.tolist() == [[0.0, 1.0, 0.0]]
+    with_reference = loss(dataclasses.replace(inputs, ref_logprobs=torch.zeros(1, 3)), config)
+    # + 0.1 (log pi - log pi_ref), log pi_ref = 0
+    assert with_reference.loss[0].tolist() == pytest.approx([-1.0, 3.0 + 0.1 * math.log(2.0), -0.6 + 0.1 * math.log(1.2)])
 
 
 def test_advantage_example_ranks_within_groups(doc_examples):

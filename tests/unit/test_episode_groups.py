@@ -16,6 +16,7 @@ from rlx.bus.loader import StreamingDataLoader
 from rlx.bus.local import LocalBus
 from rlx.config import AlgorithmConfig
 from rlx.data.sample import Sample
+from rlx.orchestration.plan import FIELDS
 from rlx.orchestration.resume import resume_plan
 from rlx.orchestration.workers import response_shares
 from rlx.roles.advantages import Advantages, episodes
@@ -31,7 +32,7 @@ def _put_episode(bus: LocalBus, group: int, samples: int, declared: int) -> list
 
 
 def test_a_grown_group_is_whole_only_once_every_episode_is_in():
-    bus = LocalBus()
+    bus = LocalBus(check_schema=FIELDS)
 
     def taken() -> list[int]:
         return bus.poll("advantages", ["reward"], N, timeout=0.01, sampler=("group", N))[0]
@@ -50,7 +51,7 @@ def test_a_grown_group_is_whole_only_once_every_episode_is_in():
 
 
 def test_a_dead_producer_abandons_a_grown_group_short_of_its_declared_rows_and_resume_redoes_it():
-    bus = LocalBus()
+    bus = LocalBus(check_schema=FIELDS)
     _put_episode(bus, 1, samples=2, declared=N + 1)
     _put_episode(bus, 1, samples=2, declared=N + 2)  # 4 rows: more than n, short of the 5 declared
     whole = [*_put_episode(bus, 2, samples=2, declared=N + 1), *_put_episode(bus, 2, samples=1, declared=N + 1),
@@ -81,7 +82,7 @@ def test_group_advantages_count_an_episode_once_whatever_its_samples():
 
 
 def test_a_training_step_takes_responses_in_shares_of_their_episodes():
-    bus = LocalBus()
+    bus = LocalBus(check_schema=FIELDS)
     episode_rows = [3, 3, 3, 1, 2, 2, 1, 1]  # four responses of steps of 2: (3+1), (2+1), (1 + one more)
     bus.put({"episode_rows": episode_rows}, group_ids=list(range(len(episode_rows))))
     steps = []
@@ -106,13 +107,13 @@ def _steps(bus: LocalBus) -> list[list[int]]:
 
 
 def test_shares_are_exact_and_a_step_that_took_too_much_leaves_less_to_the_next():
-    bus = LocalBus()  # 8 episodes of 3 samples in micro-batches of 4: floats would leave a sliver and take a 25th row
+    bus = LocalBus(check_schema=FIELDS)  # 8 episodes of 3 samples in micro-batches of 4: floats would leave a sliver and take a 25th row
     bus.put({"episode_rows": [3] * 24}, group_ids=[g // 3 for g in range(24)])
     loader = StreamingDataLoader(bus, "train", ["episode_rows"], micro_batch_size=4, rows_per_step=8, timeout=1,
                                  counts=lambda values: sum(response_shares(values, 0)))
     assert sum(len(rows) for rows, _ in loader) == 24 and loader.remaining == 0
     # an episode's third sample arrives after a plain response: the first step ends on that whole
     # response (2/3 too much), and the second takes only the third sample
-    bus = LocalBus()
+    bus = LocalBus(check_schema=FIELDS)
     bus.put({"episode_rows": [3, 3, 1, 3]}, group_ids=[0, 0, 1, 0])
     assert _steps(bus) == [[3, 3, 1], [3]]

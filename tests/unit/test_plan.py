@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from rlx.algorithms.losses import BUS_INPUTS, LossInputs
 from rlx.config import ConfigError, build_config
+from rlx.data.sample import Sample
 from rlx.orchestration.plan import FIELDS, ROLES, FieldSpec, build_plan
+from rlx.orchestration.workers import to_samples
 
 ROLLOUT_WRITES = {"group_id", "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "agent_stats", "behavior_version",
                   "last_behavior_version", "finish_reason", "response_text", "prompt_text", "label", "metadata"}
@@ -127,6 +132,24 @@ def test_every_field_has_a_schema_and_token_fields_say_so():
     assert not by_name["reward"].token_aligned and by_name["prompt_ids"].shape == ("P",)
     assert [f.name for f in FIELDS if f.scope == "group"] == ["media_inputs"]  # one per prompt group
     assert len(by_name) == len(FIELDS)  # each field declared once
+
+
+def test_fields_and_sample_declare_the_same_names():
+    # a bus field is one FieldSpec and one Sample attribute of the same name (uid is the row id)
+    assert {f.name for f in FIELDS} == {f.name for f in dataclasses.fields(Sample)} - {"uid"}
+
+
+def test_a_bus_field_sample_lacks_is_an_error_not_dropped():
+    assert to_samples([4], {"group_id": [0], "reward": [1.0]})[0].reward == 1.0
+    with pytest.raises(ValueError, match=r"bus fields \['rewrd'\] have no attribute on Sample"):
+        to_samples([4], {"group_id": [0], "reward": [1.0], "rewrd": [2.0]})
+
+
+def test_the_loss_inputs_from_the_bus_are_per_token_fields_the_train_task_reads():
+    by_name = {f.name: f for f in FIELDS}
+    for name in BUS_INPUTS:
+        assert by_name[name].token_aligned and "train" in by_name[name].readers, name
+        assert name in {f.name for f in dataclasses.fields(LossInputs)}
 
 
 def test_media_rows_add_one_group_scoped_field_read_by_every_token_role():
