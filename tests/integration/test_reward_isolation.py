@@ -228,7 +228,7 @@ def test_a_host_that_cannot_confine_refuses_pooled_rewards_unless_allowed(monkey
     """Stands in for a host without user namespaces (a container that blocks unshare): the probe's
     answer is injected. A reward that reads model text refuses to build, naming the switch; with the
     switch it runs in unconfined processes; rlx's own string matching needs no pool either way."""
-    import rlx.rewards as rewards
+    from rlx import rewards
 
     monkeypatch.setattr(rewards, "confinement_problem", lambda: "the process could not be confined (EPERM)")
     monkeypatch.setenv("RLX_API_TOKEN", "secret")
