@@ -31,8 +31,9 @@ export TRANSFORMERS_OFFLINE := 1
 demo: install
 	$(BIN)/rlx train examples/chain_sum_smollm2.yaml --overwrite
 
-# Two workers: the tests that start a Ray cluster, rank processes or vLLM run one at a time, every
-# other test file beside them, whole (tests/conftest.py, ONE_AT_A_TIME).
+# Two workers: the tests that start a Ray cluster, rank processes or vLLM run in two lanes, one file
+# at a time in each, every other test file beside them, whole (tests/conftest.py, ONE_AT_A_TIME and
+# SECOND_LANE).
 test: install
 	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup
 
